@@ -1,1 +1,906 @@
+//! The cascade: T1, a bounded write-back cache of group slots, over a backing tier.
+//!
+//! T1 is one `HostBuf` cut into `stride`-sized slots (aligned for O_DIRECT, so
+//! write-back and fills go straight from and into slots). A state lock holds
+//! the group → slot map, the replacement policy, the free list and per-slot
+//! states; it is held only for lookups and bookkeeping, never across a copy
+//! or an I/O. Copies run under a per-slot RwLock, taken only by a thread
+//! that holds a pin on the slot, and pins are only added under the state
+//! lock: so under that lock a slot with no pins has no lock holder, and is
+//! the only kind of slot that may be chosen as a victim or reused.
+//!
+//! Invariants: (1) the cascade is bit-identical to its backing alone (the
+//! property test checks it against a HashMap); (2) a slot is never
+//! overwritten while a copy out of it runs (the copy holds the slot's read
+//! lock; a reuse needs its write lock); (3) a dirty victim reaches the
+//! backing before its slot is reused, and if that write fails the victim
+//! stays resident and dirty and the caller gets the error; (4) drop flushes
+//! every dirty group, `flush`/`sync_all` make data durable on return;
+//! (5) backing bytes that fail their crc32c are never served. Backing I/O
+//! of one group is serialised by a striped lock, so a miss never reads a
+//! group's data and metadata halfway through its write-back.
 
+mod meta;
+mod policy;
+mod store;
+
+pub use meta::{GroupMeta, META_RECORD_BYTES, MetaTable};
+pub use policy::{Lru, Policy, PolicyKind, Sieve};
+pub use store::{Backing, BackingConfig, StoreError};
+
+use crate::geometry::{GroupIndex, GroupLayout, OutOfRange};
+use crate::gpu::HostBuf;
+use crate::tier::{Tier, TierError, WriteOp};
+use parking_lot::{Condvar, Mutex, MutexGuard, RwLock, RwLockWriteGuard};
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Index of a T1 slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SlotId(pub u32);
+
+/// Backing I/O stripes: enough that unrelated groups rarely share one, few
+/// enough that the array is a few pages.
+const STRIPES: usize = 1024;
+
+/// Groups written back per batch by `sync_all`: deep enough to keep an NVMe
+/// queue busy, small enough that writers are not held off long.
+const SYNC_BATCH: usize = 256;
+
+/// Staging buffers kept for misses; more are made on demand and dropped.
+const STAGING_KEEP: usize = 64;
+
+/// `slot_tag` value of a slot that holds no group.
+const NO_GROUP: u64 = u64::MAX;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CascadeError {
+    #[error(transparent)]
+    Tier(#[from] TierError),
+    #[error(
+        "group {index} failed its checksum (stored {stored:08x}, read {computed:08x}); its bytes are not served"
+    )]
+    Checksum {
+        index: GroupIndex,
+        stored: u32,
+        computed: u32,
+    },
+    #[error("bytes {offset}..{end} are outside the group ({group_bytes} bytes)")]
+    OutOfBounds {
+        offset: u64,
+        end: u64,
+        group_bytes: u64,
+    },
+    #[error(transparent)]
+    OutOfRange(#[from] OutOfRange),
+    #[error("metadata sync failed: {0}")]
+    MetaSync(#[source] io::Error),
+    #[error("T1 needs room for at least one group ({stride} bytes), got {t1_bytes}")]
+    T1TooSmall { t1_bytes: u64, stride: u64 },
+    #[error("cannot allocate T1 ({bytes} bytes): {source}")]
+    Alloc {
+        bytes: u64,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Where a group's current bytes are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Residence {
+    T1,
+    Backing,
+    Empty,
+}
+
+impl Residence {
+    pub fn name(self) -> &'static str {
+        match self {
+            Residence::T1 => "t1",
+            Residence::Backing => "backing",
+            Residence::Empty => "empty",
+        }
+    }
+}
+
+/// What `query` reports for one group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupState {
+    pub residence: Residence,
+    pub dirty: bool,
+    /// crc32c of the bytes last written back, where the group was ever.
+    pub backing_crc: Option<u32>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct CascadeConfig {
+    pub t1_bytes: u64,
+    pub policy: PolicyKind,
+    /// Install a group in T1 when a read misses (off by default: a miss
+    /// read is often a one-off restore, and promoting it would evict hot
+    /// groups).
+    pub promote_on_miss: bool,
+}
+
+impl Default for CascadeConfig {
+    fn default() -> Self {
+        CascadeConfig {
+            t1_bytes: 64 << 20,
+            policy: PolicyKind::Sieve,
+            promote_on_miss: false,
+        }
+    }
+}
+
+/// Monotonic counters; read with `Cascade::stats`.
+#[derive(Default)]
+struct Counters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    empty_reads: AtomicU64,
+    evictions: AtomicU64,
+    flushes: AtomicU64,
+    flushed_bytes: AtomicU64,
+    checksum_failures: AtomicU64,
+    write_back_failures: AtomicU64,
+    t1_read_bytes: AtomicU64,
+    t1_write_bytes: AtomicU64,
+    backing_read_bytes: AtomicU64,
+    backing_write_bytes: AtomicU64,
+    dirty_slots: AtomicU64,
+}
+
+/// A snapshot of the cascade's counters and occupancy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CascadeStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub empty_reads: u64,
+    pub evictions: u64,
+    pub flushes: u64,
+    pub flushed_bytes: u64,
+    pub checksum_failures: u64,
+    pub write_back_failures: u64,
+    pub t1_read_bytes: u64,
+    pub t1_write_bytes: u64,
+    pub backing_read_bytes: u64,
+    pub backing_write_bytes: u64,
+    pub t1_slots_used: u64,
+    pub t1_slots_total: u64,
+    pub dirty_slots: u64,
+    pub dirty_bytes: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Resident,
+    /// Chosen as a victim; its evictor holds the write lock and is writing
+    /// it back. Still mapped, so readers of its group wait, then retry.
+    Evicting,
+}
+
+struct State {
+    map: HashMap<GroupIndex, SlotId>,
+    slot_state: Vec<SlotState>,
+    free: Vec<SlotId>,
+    policy: Box<dyn Policy>,
+}
+
+pub struct Cascade {
+    layout: GroupLayout,
+    tier: Box<dyn Tier>,
+    meta: MetaTable,
+    cfg: CascadeConfig,
+    slots: HostBuf,
+    n_slots: u32,
+    slot_locks: Box<[RwLock<()>]>,
+    pins: Box<[AtomicU32]>,
+    /// Group held by each slot; written only under the slot's write lock.
+    tags: Box<[AtomicU64]>,
+    /// Changed only under the slot's lock: set under the write lock, cleared
+    /// by a write-back under the read or write lock.
+    dirty: Box<[AtomicBool]>,
+    state: Mutex<State>,
+    changed: Condvar,
+    stripes: Box<[Mutex<()>]>,
+    sync_lock: Mutex<()>,
+    staging: Mutex<Vec<HostBuf>>,
+    counters: Counters,
+    /// The backing directory's flock, released after the final flush.
+    store_lock: Option<std::fs::File>,
+}
+
+/// A pin on a slot, dropped when the copy or fill that needed it is done.
+struct Pin<'a> {
+    c: &'a Cascade,
+    slot: SlotId,
+}
+
+impl Drop for Pin<'_> {
+    fn drop(&mut self) {
+        if self.c.pins[self.slot.0 as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.c.changed.notify_all();
+        }
+    }
+}
+
+enum Claim<'a> {
+    /// The group got this slot, mapped, pinned and write-locked; the caller
+    /// fills it.
+    Got(Pin<'a>, RwLockWriteGuard<'a, ()>),
+    /// Someone else mapped the group meanwhile: retry as a hit.
+    Mapped,
+}
+
+impl Cascade {
+    /// Opens a backing directory and puts a T1 over it.
+    pub fn open(backing: &BackingConfig, cfg: CascadeConfig) -> Result<Cascade, anyhow::Error> {
+        let b = Backing::open(backing)?;
+        let mut c = Cascade::new(b.layout, b.tier, b.meta, cfg)?;
+        // The store stays locked for as long as the cascade lives.
+        c.store_lock = Some(b.lock);
+        Ok(c)
+    }
+
+    /// A cascade over any tier, with its metadata table.
+    pub fn new(
+        layout: GroupLayout,
+        tier: Box<dyn Tier>,
+        meta: MetaTable,
+        cfg: CascadeConfig,
+    ) -> Result<Cascade, CascadeError> {
+        let stride = layout.stride();
+        let n = cfg.t1_bytes / stride;
+        if n == 0 {
+            return Err(CascadeError::T1TooSmall {
+                t1_bytes: cfg.t1_bytes,
+                stride,
+            });
+        }
+        let n_slots = n.min(u32::MAX as u64 - 1) as u32;
+        let bytes = n_slots as u64 * stride;
+        let slots = HostBuf::alloc(bytes as usize)
+            .map_err(|source| CascadeError::Alloc { bytes, source })?;
+        let policy = cfg.policy.build(n_slots);
+        Ok(Cascade {
+            layout,
+            tier,
+            meta,
+            cfg,
+            slots,
+            n_slots,
+            slot_locks: (0..n_slots).map(|_| RwLock::new(())).collect(),
+            pins: (0..n_slots).map(|_| AtomicU32::new(0)).collect(),
+            tags: (0..n_slots).map(|_| AtomicU64::new(NO_GROUP)).collect(),
+            dirty: (0..n_slots).map(|_| AtomicBool::new(false)).collect(),
+            state: Mutex::new(State {
+                map: HashMap::new(),
+                slot_state: vec![SlotState::Free; n_slots as usize],
+                // Reversed so slot 0 is used first.
+                free: (0..n_slots).rev().map(SlotId).collect(),
+                policy,
+            }),
+            changed: Condvar::new(),
+            stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+            sync_lock: Mutex::new(()),
+            staging: Mutex::new(Vec::new()),
+            counters: Counters::default(),
+            store_lock: None,
+        })
+    }
+
+    pub fn layout(&self) -> &GroupLayout {
+        &self.layout
+    }
+
+    pub fn tier_name(&self) -> &'static str {
+        self.tier.name()
+    }
+
+    pub fn policy_name(&self) -> &'static str {
+        self.state.lock().policy.name()
+    }
+
+    pub fn t1_slots(&self) -> u32 {
+        self.n_slots
+    }
+
+    // ---- slot memory -------------------------------------------------
+
+    fn slot_ptr(&self, s: SlotId) -> *mut u8 {
+        debug_assert!(s.0 < self.n_slots);
+        // SAFETY: s < n_slots, so the offset stays inside the T1 mapping.
+        unsafe {
+            self.slots
+                .as_ptr()
+                .add(s.0 as usize * self.layout.stride() as usize)
+        }
+    }
+
+    /// # Safety
+    /// The caller holds slot `s`'s lock (read or write) for as long as the
+    /// returned slice lives.
+    unsafe fn slot_bytes(&self, s: SlotId) -> &[u8] {
+        // SAFETY: in bounds (slot_ptr); the caller's lock excludes writers.
+        unsafe { std::slice::from_raw_parts(self.slot_ptr(s), self.layout.stride() as usize) }
+    }
+
+    /// # Safety
+    /// The caller holds slot `s`'s write lock for as long as the returned
+    /// slice lives.
+    #[expect(
+        clippy::mut_from_ref,
+        reason = "exclusivity comes from the slot's write lock"
+    )]
+    unsafe fn slot_bytes_mut(&self, s: SlotId) -> &mut [u8] {
+        // SAFETY: in bounds (slot_ptr); the write lock makes this the only
+        // reference to the slot's bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(s), self.layout.stride() as usize) }
+    }
+
+    fn stripe(&self, g: GroupIndex) -> MutexGuard<'_, ()> {
+        self.stripes[(g.0 % STRIPES as u64) as usize].lock()
+    }
+
+    fn take_staging(&self) -> Result<HostBuf, CascadeError> {
+        if let Some(b) = self.staging.lock().pop() {
+            return Ok(b);
+        }
+        let bytes = self.layout.stride();
+        HostBuf::alloc(bytes as usize).map_err(|source| CascadeError::Alloc { bytes, source })
+    }
+
+    fn give_staging(&self, b: HostBuf) {
+        let mut s = self.staging.lock();
+        if s.len() < STAGING_KEEP {
+            s.push(b);
+        }
+    }
+
+    fn set_dirty(&self, s: SlotId) {
+        if !self.dirty[s.0 as usize].swap(true, Ordering::AcqRel) {
+            self.counters.dirty_slots.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn clear_dirty(&self, s: SlotId) {
+        if self.dirty[s.0 as usize].swap(false, Ordering::AcqRel) {
+            self.counters.dirty_slots.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    // ---- lookups -----------------------------------------------------
+
+    fn check_range(&self, offset: u64, len: usize) -> Result<(), CascadeError> {
+        let end = offset.checked_add(len as u64).unwrap_or(u64::MAX);
+        if end > self.layout.group_bytes() {
+            return Err(CascadeError::OutOfBounds {
+                offset,
+                end,
+                group_bytes: self.layout.group_bytes(),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_index(&self, g: GroupIndex) -> Result<(), CascadeError> {
+        if g.0 >= self.layout.group_count() {
+            return Err(OutOfRange {
+                what: "group index",
+                value: g.0,
+                limit: self.layout.group_count(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Pins the slot holding `g`, if any (and tells the policy of the hit).
+    fn pin_resident(&self, g: GroupIndex, touch: bool) -> Option<Pin<'_>> {
+        let mut st = self.state.lock();
+        let s = *st.map.get(&g)?;
+        self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+        if touch && st.slot_state[s.0 as usize] == SlotState::Resident {
+            st.policy.touch(s);
+        }
+        Some(Pin { c: self, slot: s })
+    }
+
+    fn holds(&self, s: SlotId, g: GroupIndex) -> bool {
+        self.tags[s.0 as usize].load(Ordering::Acquire) == g.0
+    }
+
+    // ---- backing I/O -------------------------------------------------
+
+    /// Reads `g`'s current backing bytes into `buf` (stride bytes, aligned),
+    /// verifying the checksum. Never-written groups read as zeros.
+    /// The caller holds `g`'s stripe.
+    fn read_backing_locked(
+        &self,
+        g: GroupIndex,
+        buf: &mut [u8],
+    ) -> Result<Residence, CascadeError> {
+        let m = self.meta.get(g.0);
+        if !m.written {
+            buf.fill(0);
+            self.counters.empty_reads.fetch_add(1, Ordering::Relaxed);
+            return Ok(Residence::Empty);
+        }
+        self.tier.read_one(g, buf)?;
+        self.counters
+            .backing_read_bytes
+            .fetch_add(buf.len() as u64, Ordering::Relaxed);
+        let computed = crc32c::crc32c(&buf[..self.layout.group_bytes() as usize]);
+        if computed != m.crc {
+            self.counters
+                .checksum_failures
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(group = %g, "checksum mismatch on backing read");
+            return Err(CascadeError::Checksum {
+                index: g,
+                stored: m.crc,
+                computed,
+            });
+        }
+        Ok(Residence::Backing)
+    }
+
+    /// Writes `bytes` (a slot) back as `g` and records its checksum.
+    /// The caller holds the slot's lock; this takes `g`'s stripe.
+    fn write_back(&self, g: GroupIndex, bytes: &[u8]) -> Result<(), CascadeError> {
+        let _io = self.stripe(g);
+        if let Err(e) = self.tier.write_one(g, bytes) {
+            self.counters
+                .write_back_failures
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(e.into());
+        }
+        self.record_written(g, bytes);
+        Ok(())
+    }
+
+    fn record_written(&self, g: GroupIndex, bytes: &[u8]) {
+        let old = self.meta.get(g.0);
+        self.meta.set(
+            g.0,
+            GroupMeta {
+                written: true,
+                crc: crc32c::crc32c(&bytes[..self.layout.group_bytes() as usize]),
+                generation: old.generation + 1,
+            },
+        );
+        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .flushed_bytes
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.counters
+            .backing_write_bytes
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    }
+
+    // ---- slot allocation ---------------------------------------------
+
+    /// Finds a slot for `g`: a free one, or a victim (written back first if
+    /// dirty). Returns it mapped to `g`, pinned and write-locked.
+    fn claim(&self, g: GroupIndex) -> Result<Claim<'_>, CascadeError> {
+        loop {
+            let mut st = self.state.lock();
+            if st.map.contains_key(&g) {
+                return Ok(Claim::Mapped);
+            }
+            // A free slot nobody pins: nobody holds or waits for its lock.
+            if let Some(pos) = st
+                .free
+                .iter()
+                .rposition(|s| self.pins[s.0 as usize].load(Ordering::Acquire) == 0)
+            {
+                let s = st.free[pos];
+                if let Some(guard) = self.slot_locks[s.0 as usize].try_write() {
+                    st.free.swap_remove(pos);
+                    self.install(&mut st, s, g);
+                    return Ok(Claim::Got(self.pin_now(s), guard));
+                }
+            }
+            let pins = &self.pins;
+            let locks = &self.slot_locks;
+            let victim = {
+                let State {
+                    policy, slot_state, ..
+                } = &mut *st;
+                policy.victim(&mut |s| {
+                    slot_state[s.0 as usize] == SlotState::Resident
+                        && pins[s.0 as usize].load(Ordering::Acquire) == 0
+                        && !locks[s.0 as usize].is_locked()
+                })
+            };
+            let Some(v) = victim else {
+                // Every slot is pinned or being evicted: wait for a change.
+                self.changed.wait_for(&mut st, Duration::from_millis(1));
+                continue;
+            };
+            let Some(guard) = self.slot_locks[v.0 as usize].try_write() else {
+                continue;
+            };
+            let old = GroupIndex(self.tags[v.0 as usize].load(Ordering::Acquire));
+            if !self.dirty[v.0 as usize].load(Ordering::Acquire) {
+                st.map.remove(&old);
+                st.policy.remove(v);
+                self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+                self.install(&mut st, v, g);
+                return Ok(Claim::Got(self.pin_now(v), guard));
+            }
+            // Dirty victim: write it back outside the state lock.
+            let pin = self.pin_now(v);
+            st.slot_state[v.0 as usize] = SlotState::Evicting;
+            drop(st);
+            // SAFETY: we hold v's write lock (guard).
+            let r = self.write_back(old, unsafe { self.slot_bytes(v) });
+            let mut st = self.state.lock();
+            if let Err(e) = r {
+                st.slot_state[v.0 as usize] = SlotState::Resident;
+                drop(guard);
+                drop(st);
+                drop(pin);
+                return Err(e);
+            }
+            self.clear_dirty(v);
+            st.map.remove(&old);
+            st.policy.remove(v);
+            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+            if st.map.contains_key(&g) {
+                self.tags[v.0 as usize].store(NO_GROUP, Ordering::Release);
+                st.slot_state[v.0 as usize] = SlotState::Free;
+                st.free.push(v);
+                drop(guard);
+                drop(st);
+                drop(pin);
+                self.changed.notify_all();
+                return Ok(Claim::Mapped);
+            }
+            self.install(&mut st, v, g);
+            return Ok(Claim::Got(pin, guard));
+        }
+    }
+
+    /// Maps `g` to `s`, whose write lock the caller holds.
+    fn install(&self, st: &mut State, s: SlotId, g: GroupIndex) {
+        self.tags[s.0 as usize].store(g.0, Ordering::Release);
+        st.map.insert(g, s);
+        st.slot_state[s.0 as usize] = SlotState::Resident;
+        st.policy.insert(s);
+    }
+
+    /// Pins `s`; the caller holds the state lock (pins are only added under it).
+    fn pin_now(&self, s: SlotId) -> Pin<'_> {
+        self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+        Pin { c: self, slot: s }
+    }
+
+    /// Undoes a claim whose fill failed: the slot goes back to the free list.
+    fn abandon(&self, g: GroupIndex, pin: Pin<'_>, guard: RwLockWriteGuard<'_, ()>) {
+        let s = pin.slot;
+        let mut st = self.state.lock();
+        st.map.remove(&g);
+        st.policy.remove(s);
+        self.tags[s.0 as usize].store(NO_GROUP, Ordering::Release);
+        st.slot_state[s.0 as usize] = SlotState::Free;
+        st.free.push(s);
+        drop(st);
+        drop(guard);
+        drop(pin);
+    }
+
+    // ---- the API -----------------------------------------------------
+
+    /// Reads `out.len()` bytes of group `g` from `offset`.
+    pub fn read(
+        &self,
+        g: GroupIndex,
+        offset: u64,
+        out: &mut [u8],
+    ) -> Result<Residence, CascadeError> {
+        self.check_index(g)?;
+        self.check_range(offset, out.len())?;
+        let off = offset as usize;
+        loop {
+            if let Some(pin) = self.pin_resident(g, true) {
+                let _r = self.slot_locks[pin.slot.0 as usize].read();
+                if !self.holds(pin.slot, g) {
+                    continue; // its fill failed; look again
+                }
+                // SAFETY: we hold the slot's read lock.
+                let bytes = unsafe { self.slot_bytes(pin.slot) };
+                out.copy_from_slice(&bytes[off..off + out.len()]);
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .t1_read_bytes
+                    .fetch_add(out.len() as u64, Ordering::Relaxed);
+                return Ok(Residence::T1);
+            }
+            let mut buf = self.take_staging()?;
+            let (r, generation) = {
+                let _io = self.stripe(g);
+                // Re-check under the stripe: a group installed meanwhile is newer.
+                if self.state.lock().map.contains_key(&g) {
+                    self.give_staging(buf);
+                    continue;
+                }
+                (
+                    self.read_backing_locked(g, buf.as_mut_slice()),
+                    self.meta.get(g.0).generation,
+                )
+            };
+            let res = match r {
+                Ok(res) => res,
+                Err(e) => {
+                    self.give_staging(buf);
+                    return Err(e);
+                }
+            };
+            out.copy_from_slice(&buf.as_slice()[off..off + out.len()]);
+            if res == Residence::Backing {
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                if self.cfg.promote_on_miss {
+                    self.promote(g, buf.as_slice(), generation);
+                }
+            }
+            self.give_staging(buf);
+            return Ok(res);
+        }
+    }
+
+    /// Installs bytes just read from the backing, unless the group changed.
+    fn promote(&self, g: GroupIndex, bytes: &[u8], generation: u64) {
+        match self.claim(g) {
+            Ok(Claim::Got(pin, guard)) => {
+                if self.meta.get(g.0).generation != generation {
+                    self.abandon(g, pin, guard);
+                    return;
+                }
+                // SAFETY: we hold the slot's write lock.
+                unsafe { self.slot_bytes_mut(pin.slot) }.copy_from_slice(bytes);
+            }
+            Ok(Claim::Mapped) => {}
+            Err(e) => tracing::debug!(group = %g, "not promoted: {e}"),
+        }
+    }
+
+    /// Brings `g` into T1 (reading it from the backing if needed).
+    pub fn prefetch(&self, g: GroupIndex) -> Result<(), CascadeError> {
+        self.check_index(g)?;
+        match self.claim(g)? {
+            Claim::Mapped => Ok(()),
+            Claim::Got(pin, guard) => {
+                // SAFETY: we hold the slot's write lock.
+                let slot = unsafe { self.slot_bytes_mut(pin.slot) };
+                let r = {
+                    let _io = self.stripe(g);
+                    self.read_backing_locked(g, slot)
+                };
+                match r {
+                    Ok(_) => Ok(()),
+                    Err(e) => {
+                        self.abandon(g, pin, guard);
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes `data` into group `g` at `offset` (write-back: the group is
+    /// dirty in T1 until evicted or flushed). A partial write of a group not
+    /// in T1 reads the rest of it first.
+    pub fn write(&self, g: GroupIndex, offset: u64, data: &[u8]) -> Result<(), CascadeError> {
+        self.check_index(g)?;
+        self.check_range(offset, data.len())?;
+        let off = offset as usize;
+        let gb = self.layout.group_bytes() as usize;
+        loop {
+            if let Some(pin) = self.pin_resident(g, true) {
+                let _w = self.slot_locks[pin.slot.0 as usize].write();
+                if !self.holds(pin.slot, g) {
+                    continue; // evicted or abandoned meanwhile
+                }
+                self.set_dirty(pin.slot);
+                // SAFETY: we hold the slot's write lock.
+                let slot = unsafe { self.slot_bytes_mut(pin.slot) };
+                slot[off..off + data.len()].copy_from_slice(data);
+                self.counters
+                    .t1_write_bytes
+                    .fetch_add(data.len() as u64, Ordering::Relaxed);
+                return Ok(());
+            }
+            let (pin, guard) = match self.claim(g)? {
+                Claim::Mapped => continue,
+                Claim::Got(p, w) => (p, w),
+            };
+            // SAFETY: we hold the slot's write lock.
+            let slot = unsafe { self.slot_bytes_mut(pin.slot) };
+            if off == 0 && data.len() == gb {
+                slot[gb..].fill(0);
+            } else {
+                let r = {
+                    let _io = self.stripe(g);
+                    self.read_backing_locked(g, slot)
+                };
+                if let Err(e) = r {
+                    self.abandon(g, pin, guard);
+                    return Err(e);
+                }
+            }
+            slot[off..off + data.len()].copy_from_slice(data);
+            self.set_dirty(pin.slot);
+            self.counters
+                .t1_write_bytes
+                .fetch_add(data.len() as u64, Ordering::Relaxed);
+            return Ok(());
+        }
+    }
+
+    /// Makes group `g` durable: writes it back if dirty, then syncs the
+    /// backing data and `g`'s metadata record.
+    pub fn flush(&self, g: GroupIndex) -> Result<(), CascadeError> {
+        self.check_index(g)?;
+        if let Some(pin) = self.pin_resident(g, false) {
+            let _r = self.slot_locks[pin.slot.0 as usize].read();
+            if self.holds(pin.slot, g) && self.dirty[pin.slot.0 as usize].load(Ordering::Acquire) {
+                // SAFETY: we hold the slot's read lock (writers are excluded).
+                self.write_back(g, unsafe { self.slot_bytes(pin.slot) })?;
+                self.clear_dirty(pin.slot);
+            }
+        }
+        // An evicted group was written back without a sync: sync regardless.
+        self.tier.sync()?;
+        self.meta.flush_one(g.0).map_err(CascadeError::MetaSync)
+    }
+
+    /// Writes back every dirty group and makes everything durable. Returns
+    /// the first error; groups that failed stay dirty in T1.
+    pub fn sync_all(&self) -> Result<(), CascadeError> {
+        let _one = self.sync_lock.lock();
+        let mut first_err: Option<CascadeError> = None;
+        let pinned: Vec<Pin<'_>> = loop {
+            let st = self.state.lock();
+            let busy = (0..self.n_slots as usize).any(|s| {
+                st.slot_state[s] == SlotState::Evicting && self.dirty[s].load(Ordering::Acquire)
+            });
+            if busy {
+                // An eviction is writing a group back; let it finish (or fail
+                // and leave the group dirty for us).
+                drop(st);
+                std::thread::sleep(Duration::from_micros(100));
+                continue;
+            }
+            break (0..self.n_slots)
+                .filter(|&s| {
+                    st.slot_state[s as usize] == SlotState::Resident
+                        && self.dirty[s as usize].load(Ordering::Acquire)
+                })
+                .map(|s| self.pin_now(SlotId(s)))
+                .collect();
+        };
+        for chunk in pinned.chunks(SYNC_BATCH) {
+            // Slot locks first, then stripes in order: never the other way
+            // round, so no thread can wait on us while we wait on it.
+            let guards: Vec<_> = chunk
+                .iter()
+                .map(|p| self.slot_locks[p.slot.0 as usize].read())
+                .collect();
+            let work: Vec<(SlotId, GroupIndex)> = chunk
+                .iter()
+                .filter(|p| self.dirty[p.slot.0 as usize].load(Ordering::Acquire))
+                .map(|p| {
+                    (
+                        p.slot,
+                        GroupIndex(self.tags[p.slot.0 as usize].load(Ordering::Acquire)),
+                    )
+                })
+                .filter(|(_, g)| g.0 != NO_GROUP)
+                .collect();
+            let mut stripe_ids: Vec<usize> = work
+                .iter()
+                .map(|(_, g)| (g.0 % STRIPES as u64) as usize)
+                .collect();
+            stripe_ids.sort_unstable();
+            stripe_ids.dedup();
+            let _io: Vec<_> = stripe_ids.iter().map(|&i| self.stripes[i].lock()).collect();
+            let ops: Vec<WriteOp<'_>> = work
+                .iter()
+                .map(|&(s, g)| WriteOp {
+                    index: g,
+                    // SAFETY: we hold s's read lock (guards) until after the batch.
+                    buf: unsafe { self.slot_bytes(s) },
+                })
+                .collect();
+            let results = self.tier.write_batch(&ops);
+            for ((&(s, g), op), r) in work.iter().zip(&ops).zip(results) {
+                match r {
+                    Ok(()) => {
+                        self.record_written(g, op.buf);
+                        self.clear_dirty(s);
+                    }
+                    Err(e) => {
+                        self.counters
+                            .write_back_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                        first_err.get_or_insert(e.into());
+                    }
+                }
+            }
+            drop(guards);
+        }
+        drop(pinned);
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        self.tier.sync()?;
+        self.meta.flush_all().map_err(CascadeError::MetaSync)
+    }
+
+    /// Where `g` is and whether it is dirty.
+    pub fn query(&self, g: GroupIndex) -> Result<GroupState, CascadeError> {
+        self.check_index(g)?;
+        let m = self.meta.get(g.0);
+        let backing_crc = m.written.then_some(m.crc);
+        let st = self.state.lock();
+        if let Some(&s) = st.map.get(&g) {
+            return Ok(GroupState {
+                residence: Residence::T1,
+                dirty: self.dirty[s.0 as usize].load(Ordering::Acquire),
+                backing_crc,
+            });
+        }
+        Ok(GroupState {
+            residence: if m.written {
+                Residence::Backing
+            } else {
+                Residence::Empty
+            },
+            dirty: false,
+            backing_crc,
+        })
+    }
+
+    /// The groups resident in T1, sorted.
+    pub fn resident(&self) -> Vec<GroupIndex> {
+        let mut v: Vec<GroupIndex> = self.state.lock().map.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    pub fn stats(&self) -> CascadeStats {
+        let c = &self.counters;
+        let used = self.state.lock().map.len() as u64;
+        let dirty = c.dirty_slots.load(Ordering::Relaxed);
+        CascadeStats {
+            hits: c.hits.load(Ordering::Relaxed),
+            misses: c.misses.load(Ordering::Relaxed),
+            empty_reads: c.empty_reads.load(Ordering::Relaxed),
+            evictions: c.evictions.load(Ordering::Relaxed),
+            flushes: c.flushes.load(Ordering::Relaxed),
+            flushed_bytes: c.flushed_bytes.load(Ordering::Relaxed),
+            checksum_failures: c.checksum_failures.load(Ordering::Relaxed),
+            write_back_failures: c.write_back_failures.load(Ordering::Relaxed),
+            t1_read_bytes: c.t1_read_bytes.load(Ordering::Relaxed),
+            t1_write_bytes: c.t1_write_bytes.load(Ordering::Relaxed),
+            backing_read_bytes: c.backing_read_bytes.load(Ordering::Relaxed),
+            backing_write_bytes: c.backing_write_bytes.load(Ordering::Relaxed),
+            t1_slots_used: used,
+            t1_slots_total: self.n_slots as u64,
+            dirty_slots: dirty,
+            dirty_bytes: dirty * self.layout.group_bytes(),
+        }
+    }
+}
+
+impl Drop for Cascade {
+    fn drop(&mut self) {
+        if let Err(e) = self.sync_all() {
+            tracing::error!("flush on close failed; dirty groups were lost: {e}");
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! Per-group metadata: 16 bytes a group in one memory-mapped file.
+//!
+//! Record (little-endian, two u64 words): word 0 = state in bits 0..8
+//! (0 never written, 1 written) and the crc32c of the group's bytes in bits
+//! 32..64; word 1 = generation, bumped on every write-back. The file is
+//! sparse and mapped, so opening a 40-million-group table reads nothing; the
+//! kernel pages in only the records touched. Writers of one group's record
+//! are serialised by the cascade (its per-group I/O stripes); readers may
+//! look at any record at any time (atomic words).
+
+use memmap2::{MmapMut, MmapOptions};
+use std::fs::File;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub const META_RECORD_BYTES: u64 = 16;
+
+const STATE_WRITTEN: u64 = 1;
+
+/// One group's metadata.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct GroupMeta {
+    pub written: bool,
+    pub crc: u32,
+    pub generation: u64,
+}
+
+pub struct MetaTable {
+    map: MmapMut,
+    count: u64,
+}
+
+impl MetaTable {
+    /// Maps an existing metadata file of exactly `count` records.
+    pub fn open(file: &File, count: u64) -> io::Result<MetaTable> {
+        let want = count * META_RECORD_BYTES;
+        let len = file.metadata()?.len();
+        if len != want {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("metadata file is {len} bytes, the geometry needs {want}"),
+            ));
+        }
+        // SAFETY: the backing directory is locked by this process (flock), so
+        // no other kvfs maps or truncates the file while it is mapped; the
+        // length was checked above.
+        let map = unsafe { MmapOptions::new().len(want as usize).map_mut(file)? };
+        Ok(MetaTable { map, count })
+    }
+
+    /// An anonymous table (tests, in-memory tiers): lost on drop.
+    pub fn anonymous(count: u64) -> io::Result<MetaTable> {
+        let map = MmapMut::map_anon((count * META_RECORD_BYTES) as usize)?;
+        Ok(MetaTable { map, count })
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    fn words(&self, index: u64) -> &[AtomicU64; 2] {
+        assert!(index < self.count, "metadata index {index} out of range");
+        let at = (index * META_RECORD_BYTES) as usize;
+        // SAFETY: `at..at+16` lies inside the mapping (checked above); the
+        // mapping is page-aligned so the record is 8-byte aligned; AtomicU64
+        // has the layout of u64; all access to the mapping goes through
+        // these atomics while `self` lives.
+        unsafe { &*(self.map.as_ptr().add(at) as *const [AtomicU64; 2]) }
+    }
+
+    pub fn get(&self, index: u64) -> GroupMeta {
+        let w = self.words(index);
+        let w0 = u64::from_le(w[0].load(Ordering::Acquire));
+        let w1 = u64::from_le(w[1].load(Ordering::Acquire));
+        GroupMeta {
+            written: w0 & 0xff == STATE_WRITTEN,
+            crc: (w0 >> 32) as u32,
+            generation: w1,
+        }
+    }
+
+    pub fn set(&self, index: u64, m: GroupMeta) {
+        let w = self.words(index);
+        let w0 = (m.crc as u64) << 32 | if m.written { STATE_WRITTEN } else { 0 };
+        w[1].store(m.generation.to_le(), Ordering::Release);
+        w[0].store(w0.to_le(), Ordering::Release);
+    }
+
+    /// Makes one record durable.
+    pub fn flush_one(&self, index: u64) -> io::Result<()> {
+        let at = (index * META_RECORD_BYTES) as usize;
+        self.map.flush_range(at, META_RECORD_BYTES as usize)
+    }
+
+    /// Makes every record durable.
+    pub fn flush_all(&self) -> io::Result<()> {
+        self.map.flush()
+    }
+}

@@ -1,0 +1,191 @@
+//! The backing directory: `superblock`, `data` (sparse, `index × stride`),
+//! `meta` (16-byte records, see `meta.rs`) and `lock`.
+//!
+//! Creation writes the data and metadata files first and the superblock
+//! last (via rename), so a crash mid-creation leaves no superblock and the
+//! next open starts over instead of trusting half-made files. An exclusive
+//! flock on `lock` keeps a second kvfs off the same store.
+
+use super::meta::{META_RECORD_BYTES, MetaTable};
+use crate::geometry::{
+    GroupLayout, SUPERBLOCK_BYTES, SuperblockError, decode_superblock, encode_superblock,
+};
+use crate::tier::{Tier, TierKind, open_tier};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{dir}: no kvfs store here yet, and no geometry was given to create one")]
+    NoGeometry { dir: PathBuf },
+    #[error(
+        "{dir}: the store's geometry differs from the one requested\n  store:     {on_disk}\n  requested: {requested}\n(omit the geometry options to use the store's, or use another directory)"
+    )]
+    Mismatch {
+        dir: PathBuf,
+        on_disk: Box<GroupLayout>,
+        requested: Box<GroupLayout>,
+    },
+    #[error("{path}: {source}")]
+    Superblock {
+        path: PathBuf,
+        #[source]
+        source: SuperblockError,
+    },
+    #[error("{path}: {what}: {source}")]
+    Io {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{dir} is in use by another kvfs process (its lock file is held)")]
+    Busy { dir: PathBuf },
+    #[error("{path}: the store is damaged: {why}")]
+    Damaged { path: PathBuf, why: String },
+}
+
+fn io_at(path: &Path, what: &'static str) -> impl FnOnce(io::Error) -> StoreError {
+    let path = path.to_path_buf();
+    move |source| StoreError::Io { path, what, source }
+}
+
+/// How to open a backing directory.
+#[derive(Clone, Debug)]
+pub struct BackingConfig {
+    pub dir: PathBuf,
+    /// Required to create a store; if given for an existing one, must match.
+    pub layout: Option<GroupLayout>,
+    pub tier: TierKind,
+    pub queue_depth: u32,
+}
+
+/// An opened backing directory.
+pub struct Backing {
+    pub layout: GroupLayout,
+    pub tier: Box<dyn Tier>,
+    pub meta: MetaTable,
+    pub created: bool,
+    /// Held for the store's life: the flock is released when it closes.
+    pub lock: File,
+}
+
+impl Backing {
+    pub fn open(cfg: &BackingConfig) -> Result<Backing, StoreError> {
+        let dir = &cfg.dir;
+        fs::create_dir_all(dir).map_err(io_at(dir, "cannot create the backing directory"))?;
+        let lock_path = dir.join("lock");
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(io_at(&lock_path, "cannot open the lock file"))?;
+        // SAFETY: flock on an fd we own; no memory is involved.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                return Err(StoreError::Busy { dir: dir.clone() });
+            }
+            return Err(io_at(&lock_path, "cannot lock")(e));
+        }
+
+        let sb_path = dir.join("superblock");
+        let data_path = dir.join("data");
+        let meta_path = dir.join("meta");
+        let (layout, created) = match fs::read(&sb_path) {
+            Ok(bytes) => {
+                let on_disk =
+                    decode_superblock(&bytes).map_err(|source| StoreError::Superblock {
+                        path: sb_path.clone(),
+                        source,
+                    })?;
+                if let Some(req) = cfg.layout
+                    && req != on_disk
+                {
+                    return Err(StoreError::Mismatch {
+                        dir: dir.clone(),
+                        on_disk: Box::new(on_disk),
+                        requested: Box::new(req),
+                    });
+                }
+                (on_disk, false)
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                let layout = cfg
+                    .layout
+                    .ok_or_else(|| StoreError::NoGeometry { dir: dir.clone() })?;
+                create(dir, &layout)?;
+                (layout, true)
+            }
+            Err(e) => return Err(io_at(&sb_path, "cannot read the superblock")(e)),
+        };
+
+        let data_len = fs::metadata(&data_path)
+            .map_err(|e| StoreError::Damaged {
+                path: data_path.clone(),
+                why: format!("data file unusable: {e}"),
+            })?
+            .len();
+        if data_len != layout.backing_bytes() {
+            return Err(StoreError::Damaged {
+                path: data_path,
+                why: format!(
+                    "data file is {data_len} bytes, the geometry needs {}",
+                    layout.backing_bytes()
+                ),
+            });
+        }
+        let meta_file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&meta_path)
+            .map_err(io_at(&meta_path, "cannot open the metadata file"))?;
+        let meta =
+            MetaTable::open(&meta_file, layout.group_count()).map_err(|e| StoreError::Damaged {
+                path: meta_path.clone(),
+                why: e.to_string(),
+            })?;
+        let tier = open_tier(cfg.tier, &data_path, layout, cfg.queue_depth)
+            .map_err(io_at(&data_path, "cannot open the data file"))?;
+        Ok(Backing {
+            layout,
+            tier,
+            meta,
+            created,
+            lock,
+        })
+    }
+}
+
+/// Makes a fresh store's files; the superblock goes last.
+fn create(dir: &Path, layout: &GroupLayout) -> Result<(), StoreError> {
+    let sized = |name: &str, len: u64| -> Result<(), StoreError> {
+        let p = dir.join(name);
+        let f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&p)
+            .map_err(io_at(&p, "cannot create"))?;
+        // Sparse: blocks are allocated only as groups are written.
+        f.set_len(len).map_err(io_at(&p, "cannot size"))?;
+        f.sync_all().map_err(io_at(&p, "cannot sync"))
+    };
+    sized("data", layout.backing_bytes())?;
+    sized("meta", layout.group_count() * META_RECORD_BYTES)?;
+    let tmp = dir.join("superblock.new");
+    let sb = encode_superblock(layout);
+    debug_assert_eq!(sb.len(), SUPERBLOCK_BYTES);
+    let mut f = File::create(&tmp).map_err(io_at(&tmp, "cannot create"))?;
+    f.write_all(&sb).map_err(io_at(&tmp, "cannot write"))?;
+    f.sync_all().map_err(io_at(&tmp, "cannot sync"))?;
+    let sb_path = dir.join("superblock");
+    fs::rename(&tmp, &sb_path).map_err(io_at(&sb_path, "cannot install"))?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_at(dir, "cannot sync the directory"))
+}

@@ -1,0 +1,662 @@
+//! The storage core against a plain model, under faults, and under threads.
+
+use kvfs::cascade::{
+    BackingConfig, Cascade, CascadeConfig, CascadeError, MetaTable, PolicyKind, Residence,
+};
+use kvfs::geometry::{Dtype, GroupIndex, GroupKey, GroupLayout, Kind};
+use kvfs::tier::{Fault, FaultTier, FileTier, MemTier, TierKind};
+use proptest::prelude::*;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+/// 2 layers × 4 blocks × 2 heads × {K,V} = 32 groups of 256 bytes.
+fn small_layout() -> GroupLayout {
+    GroupLayout::new(2, 4, 2, 4, 32, Dtype::Fp16).unwrap()
+}
+
+fn cfg(slots: u64, layout: &GroupLayout, policy: PolicyKind, promote: bool) -> CascadeConfig {
+    CascadeConfig {
+        t1_bytes: slots * layout.stride(),
+        policy,
+        promote_on_miss: promote,
+    }
+}
+
+fn open(dir: &Path, tier: TierKind, layout: GroupLayout, c: CascadeConfig) -> Cascade {
+    Cascade::open(
+        &BackingConfig {
+            dir: dir.to_path_buf(),
+            layout: Some(layout),
+            tier,
+            queue_depth: 8,
+        },
+        c,
+    )
+    .unwrap()
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Full(u64, u64),
+    Partial(u64, usize, usize, u64),
+    Read(u64, usize, usize),
+    Flush(u64),
+    Prefetch(u64),
+    SyncAll,
+    Reopen,
+}
+
+fn op_strategy(groups: u64, gb: usize) -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..groups, any::<u64>()).prop_map(|(g, s)| Op::Full(g, s)),
+        4 => (0..groups, 0..gb, 1..=gb, any::<u64>()).prop_map(move |(g, o, l, s)| {
+            let l = l.min(gb - o);
+            Op::Partial(g, o, l.max(1), s)
+        }),
+        6 => (0..groups, 0..gb, 1..=gb).prop_map(move |(g, o, l)| Op::Read(g, o, l.min(gb - o).max(1))),
+        1 => (0..groups).prop_map(Op::Flush),
+        1 => (0..groups).prop_map(Op::Prefetch),
+        1 => Just(Op::SyncAll),
+        1 => Just(Op::Reopen),
+    ]
+}
+
+fn run_model(
+    tier: TierKind,
+    ops: &[Op],
+    slots: u64,
+    policy: PolicyKind,
+    promote: bool,
+) -> Result<(), TestCaseError> {
+    let layout = small_layout();
+    let gb = layout.group_bytes() as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(slots, &layout, policy, promote);
+    let mut cas = Some(open(dir.path(), tier, layout, c));
+    let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
+    for op in ops {
+        let k = cas.as_ref().unwrap();
+        match *op {
+            Op::Full(g, s) => {
+                let d = pattern(s, gb);
+                k.write(GroupIndex(g), 0, &d).unwrap();
+                model.insert(g, d);
+            }
+            Op::Partial(g, o, l, s) => {
+                let d = pattern(s, l);
+                k.write(GroupIndex(g), o as u64, &d).unwrap();
+                model.entry(g).or_insert_with(|| vec![0; gb])[o..o + l].copy_from_slice(&d);
+            }
+            Op::Read(g, o, l) => {
+                let mut out = vec![0xeeu8; l];
+                k.read(GroupIndex(g), o as u64, &mut out).unwrap();
+                let want = model
+                    .get(&g)
+                    .map(|m| m[o..o + l].to_vec())
+                    .unwrap_or(vec![0; l]);
+                prop_assert_eq!(out, want, "group {} bytes {}..{}", g, o, o + l);
+            }
+            Op::Flush(g) => k.flush(GroupIndex(g)).unwrap(),
+            Op::Prefetch(g) => k.prefetch(GroupIndex(g)).unwrap(),
+            Op::SyncAll => k.sync_all().unwrap(),
+            Op::Reopen => {
+                drop(cas.take());
+                cas = Some(open(dir.path(), tier, layout, c));
+                // After a close every group is clean and where it belongs.
+                let k = cas.as_ref().unwrap();
+                for g in 0..layout.group_count() {
+                    let q = k.query(GroupIndex(g)).unwrap();
+                    prop_assert!(!q.dirty);
+                    let want = if model.contains_key(&g) {
+                        Residence::Backing
+                    } else {
+                        Residence::Empty
+                    };
+                    prop_assert_eq!(q.residence, want, "group {}", g);
+                }
+            }
+        }
+        let k = cas.as_ref().unwrap();
+        let st = k.stats();
+        prop_assert!(st.t1_slots_used <= st.t1_slots_total);
+        prop_assert!(st.dirty_slots <= st.t1_slots_used);
+    }
+    // Every group, in full, matches the model at the end and after a reopen.
+    for pass in 0..2 {
+        let k = cas.as_ref().unwrap();
+        for g in 0..layout.group_count() {
+            let mut out = vec![0u8; gb];
+            k.read(GroupIndex(g), 0, &mut out).unwrap();
+            let want = model.get(&g).cloned().unwrap_or(vec![0; gb]);
+            prop_assert_eq!(&out, &want, "group {} (pass {})", g, pass);
+            let q = k.query(GroupIndex(g)).unwrap();
+            if model.contains_key(&g) {
+                prop_assert_ne!(q.residence, Residence::Empty);
+            } else {
+                prop_assert!(q.residence != Residence::Backing);
+            }
+        }
+        drop(cas.take());
+        cas = Some(open(dir.path(), tier, layout, c));
+    }
+    prop_assert_eq!(cas.as_ref().unwrap().stats().checksum_failures, 0);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn cascade_matches_model_file(
+        ops in proptest::collection::vec(op_strategy(32, 256), 1..120),
+        slots in 1u64..5, lru in any::<bool>(), promote in any::<bool>(),
+    ) {
+        let p = if lru { PolicyKind::Lru } else { PolicyKind::Sieve };
+        run_model(TierKind::File, &ops, slots, p, promote)?;
+    }
+
+    #[test]
+    fn cascade_matches_model_uring(
+        ops in proptest::collection::vec(op_strategy(32, 256), 1..120),
+        slots in 1u64..5, lru in any::<bool>(), promote in any::<bool>(),
+    ) {
+        let p = if lru { PolicyKind::Lru } else { PolicyKind::Sieve };
+        run_model(TierKind::Uring, &ops, slots, p, promote)?;
+    }
+}
+
+fn mem_cascade(slots: u64) -> (Cascade, kvfs::tier::FaultSwitch, GroupLayout) {
+    let layout = small_layout();
+    let (tier, sw) = FaultTier::new(MemTier::new(layout));
+    let meta = MetaTable::anonymous(layout.group_count()).unwrap();
+    let c = Cascade::new(
+        layout,
+        Box::new(tier),
+        meta,
+        cfg(slots, &layout, PolicyKind::Sieve, false),
+    )
+    .unwrap();
+    (c, sw, layout)
+}
+
+fn errno(e: &CascadeError) -> Option<i32> {
+    match e {
+        CascadeError::Tier(t) => t.os_error(),
+        _ => None,
+    }
+}
+
+#[test]
+fn failed_eviction_keeps_the_victim_and_reports() {
+    let (c, sw, layout) = mem_cascade(2);
+    let gb = layout.group_bytes() as usize;
+    let data: Vec<Vec<u8>> = (0..4).map(|i| pattern(i, gb)).collect();
+    c.write(GroupIndex(0), 0, &data[0]).unwrap();
+    c.write(GroupIndex(1), 0, &data[1]).unwrap();
+    sw.fail_writes(Some(Fault::Enospc));
+    // T1 is full of dirty groups that cannot be written back.
+    let e = c.write(GroupIndex(2), 0, &data[2]).unwrap_err();
+    assert_eq!(errno(&e), Some(libc::ENOSPC), "{e}");
+    let e = c.write(GroupIndex(3), 7, &data[3][..9]).unwrap_err();
+    assert_eq!(errno(&e), Some(libc::ENOSPC), "{e}");
+    // Nothing lost: both dirty groups are still in T1 and read back.
+    for g in 0..2 {
+        let mut out = vec![0; gb];
+        assert_eq!(c.read(GroupIndex(g), 0, &mut out).unwrap(), Residence::T1);
+        assert_eq!(out, data[g as usize]);
+        let q = c.query(GroupIndex(g)).unwrap();
+        assert_eq!((q.residence, q.dirty), (Residence::T1, true));
+    }
+    // The failed group was never half-installed.
+    assert_eq!(c.query(GroupIndex(2)).unwrap().residence, Residence::Empty);
+    let e = c.flush(GroupIndex(0)).unwrap_err();
+    assert_eq!(errno(&e), Some(libc::ENOSPC));
+    assert!(c.sync_all().is_err());
+    assert!(c.stats().write_back_failures >= 4);
+    assert_eq!(c.stats().dirty_slots, 2);
+    // Space returns: everything goes through, nothing was lost.
+    sw.heal();
+    c.write(GroupIndex(2), 0, &data[2]).unwrap();
+    c.write(GroupIndex(3), 0, &data[3]).unwrap();
+    c.sync_all().unwrap();
+    for g in 0..4 {
+        let mut out = vec![0; gb];
+        c.read(GroupIndex(g), 0, &mut out).unwrap();
+        assert_eq!(out, data[g as usize], "group {g}");
+    }
+    assert_eq!(c.stats().dirty_slots, 0);
+}
+
+#[test]
+fn failed_flush_and_sync_keep_data() {
+    let (c, sw, layout) = mem_cascade(4);
+    let gb = layout.group_bytes() as usize;
+    let d = pattern(9, gb);
+    c.write(GroupIndex(5), 0, &d).unwrap();
+    sw.fail_writes(Some(Fault::Eio));
+    assert_eq!(errno(&c.flush(GroupIndex(5)).unwrap_err()), Some(libc::EIO));
+    assert!(c.query(GroupIndex(5)).unwrap().dirty);
+    sw.heal();
+    sw.fail_syncs(Some(Fault::Eio));
+    assert!(c.flush(GroupIndex(5)).is_err());
+    sw.heal();
+    c.flush(GroupIndex(5)).unwrap();
+    let mut out = vec![0; gb];
+    c.read(GroupIndex(5), 0, &mut out).unwrap();
+    assert_eq!(out, d);
+    assert!(!c.query(GroupIndex(5)).unwrap().dirty);
+}
+
+#[test]
+fn failed_backing_read_fails_the_read_only() {
+    let (c, sw, layout) = mem_cascade(1);
+    let gb = layout.group_bytes() as usize;
+    c.write(GroupIndex(1), 0, &pattern(1, gb)).unwrap();
+    c.write(GroupIndex(2), 0, &pattern(2, gb)).unwrap(); // evicts 1
+    sw.fail_reads(Some(Fault::Eio));
+    let mut out = vec![0; gb];
+    assert_eq!(
+        errno(&c.read(GroupIndex(1), 0, &mut out).unwrap_err()),
+        Some(libc::EIO)
+    );
+    // A partial write needs the old bytes: it fails too, and installs nothing.
+    assert!(c.write(GroupIndex(1), 3, &[1, 2, 3]).is_err());
+    sw.heal();
+    c.read(GroupIndex(1), 0, &mut out).unwrap();
+    assert_eq!(out, pattern(1, gb));
+}
+
+#[test]
+fn corrupted_backing_byte_is_never_served() {
+    for tier in [TierKind::File, TierKind::Uring] {
+        let layout = small_layout();
+        let gb = layout.group_bytes() as usize;
+        let dir = tempfile::tempdir().unwrap();
+        let c = cfg(2, &layout, PolicyKind::Sieve, false);
+        let k = open(dir.path(), tier, layout, c);
+        for g in 0..6 {
+            k.write(GroupIndex(g), 0, &pattern(g, gb)).unwrap();
+        }
+        drop(k);
+        // Flip one byte of group 3 on disk.
+        let off = layout.offset(GroupIndex(3)) + 100;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.path().join("data"))
+            .unwrap();
+        use std::os::unix::fs::FileExt;
+        let mut b = [0u8; 1];
+        f.read_exact_at(&mut b, off).unwrap();
+        f.write_all_at(&[b[0] ^ 0x40], off).unwrap();
+        f.sync_all().unwrap();
+        let k = open(dir.path(), tier, layout, c);
+        let mut out = vec![0; gb];
+        let e = k.read(GroupIndex(3), 0, &mut out).unwrap_err();
+        assert!(matches!(e, CascadeError::Checksum { .. }), "{e}");
+        assert!(e.to_string().contains("checksum"));
+        assert_eq!(k.stats().checksum_failures, 1);
+        assert!(k.read(GroupIndex(3), 0, &mut out[..10]).is_err());
+        assert_eq!(k.stats().checksum_failures, 2);
+        // Neighbours are fine, and a full rewrite heals the group.
+        k.read(GroupIndex(2), 0, &mut out).unwrap();
+        assert_eq!(out, pattern(2, gb));
+        k.write(GroupIndex(3), 0, &pattern(33, gb)).unwrap();
+        k.sync_all().unwrap();
+        drop(k);
+        let k = open(dir.path(), tier, layout, c);
+        k.read(GroupIndex(3), 0, &mut out).unwrap();
+        assert_eq!(out, pattern(33, gb));
+    }
+}
+
+#[test]
+fn corrupt_memory_tier_group_counts() {
+    let layout = small_layout();
+    let gb = layout.group_bytes() as usize;
+    let tier = Arc::new(MemTier::new(layout));
+    struct Shared(Arc<MemTier>);
+    impl kvfs::tier::Tier for Shared {
+        fn name(&self) -> &'static str {
+            "mem"
+        }
+        fn layout(&self) -> &GroupLayout {
+            self.0.layout()
+        }
+        fn read_batch(
+            &self,
+            ops: &mut [kvfs::tier::ReadOp<'_>],
+        ) -> Vec<Result<(), kvfs::tier::TierError>> {
+            self.0.read_batch(ops)
+        }
+        fn write_batch(
+            &self,
+            ops: &[kvfs::tier::WriteOp<'_>],
+        ) -> Vec<Result<(), kvfs::tier::TierError>> {
+            self.0.write_batch(ops)
+        }
+        fn sync(&self) -> Result<(), kvfs::tier::TierError> {
+            self.0.sync()
+        }
+    }
+    let c = Cascade::new(
+        layout,
+        Box::new(Shared(tier.clone())),
+        MetaTable::anonymous(32).unwrap(),
+        cfg(1, &layout, PolicyKind::Lru, false),
+    )
+    .unwrap();
+    c.write(GroupIndex(0), 0, &pattern(0, gb)).unwrap();
+    c.write(GroupIndex(1), 0, &pattern(1, gb)).unwrap();
+    tier.corrupt(GroupIndex(0), 5);
+    let mut out = vec![0; gb];
+    assert!(c.read(GroupIndex(0), 0, &mut out).is_err());
+    assert_eq!(c.stats().checksum_failures, 1);
+}
+
+#[test]
+fn out_of_bounds_requests_are_refused() {
+    let (c, _sw, layout) = mem_cascade(2);
+    let gb = layout.group_bytes();
+    let e = c.write(GroupIndex(0), gb - 1, &[1, 2]).unwrap_err();
+    assert!(matches!(e, CascadeError::OutOfBounds { .. }), "{e}");
+    let mut b = [0u8; 1];
+    assert!(c.read(GroupIndex(0), gb, &mut b).is_err());
+    assert!(c.read(GroupIndex(0), u64::MAX, &mut b).is_err());
+    assert!(matches!(
+        c.read(GroupIndex(32), 0, &mut b).unwrap_err(),
+        CascadeError::OutOfRange(_)
+    ));
+    assert!(c.flush(GroupIndex(99)).is_err());
+    assert_eq!(c.stats().t1_slots_used, 0);
+}
+
+/// Each writer stamps a whole group with one value; a reader must always see
+/// one stamp across the whole group, never a mix.
+fn stamped(stamp: u64, gb: usize) -> Vec<u8> {
+    let mut v = pattern(stamp, gb);
+    v[..8].copy_from_slice(&stamp.to_le_bytes());
+    v
+}
+
+fn check_stamped(v: &[u8]) -> bool {
+    let stamp = u64::from_le_bytes(v[..8].try_into().unwrap());
+    stamp == 0 && v.iter().all(|&b| b == 0) || v == stamped(stamp, v.len())
+}
+
+#[test]
+fn eight_threads_no_lost_update_no_torn_group() {
+    for tier in [TierKind::Uring, TierKind::File] {
+        let layout = GroupLayout::new(2, 8, 4, 16, 64, Dtype::Bf16).unwrap(); // 128 groups of 2 KiB
+        let gb = layout.group_bytes() as usize;
+        let dir = tempfile::tempdir().unwrap();
+        let c = cfg(12, &layout, PolicyKind::Sieve, true);
+        let k = Arc::new(open(dir.path(), tier, layout, c));
+        const THREADS: u64 = 8;
+        const SHARED: u64 = 16; // groups 0..16 are shared, the rest split by thread
+        let per = (layout.group_count() - SHARED) / THREADS;
+        let handles: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let k = k.clone();
+                std::thread::spawn(move || {
+                    let mine: Vec<u64> = (SHARED + t * per..SHARED + (t + 1) * per).collect();
+                    let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
+                    let mut rng = pattern(t + 1000, 4096).into_iter().cycle();
+                    let mut r =
+                        move || rng.next().unwrap() as u64 | (rng.next().unwrap() as u64) << 8;
+                    for i in 0..3000u64 {
+                        let op = r() % 10;
+                        if op < 4 {
+                            let g = r() % SHARED;
+                            if op < 2 {
+                                let stamp = (t << 32) | i | 1;
+                                k.write(GroupIndex(g), 0, &stamped(stamp, gb)).unwrap();
+                            } else {
+                                let mut out = vec![0; gb];
+                                k.read(GroupIndex(g), 0, &mut out).unwrap();
+                                assert!(check_stamped(&out), "torn shared group {g}");
+                            }
+                        } else {
+                            let g = mine[(r() % per) as usize];
+                            let m = model.entry(g).or_insert_with(|| vec![0; gb]);
+                            match op {
+                                4..=5 => {
+                                    let o = (r() as usize) % gb;
+                                    let l = 1 + (r() as usize) % (gb - o);
+                                    let d = pattern(r() ^ i, l);
+                                    k.write(GroupIndex(g), o as u64, &d).unwrap();
+                                    m[o..o + l].copy_from_slice(&d);
+                                }
+                                6..=8 => {
+                                    let mut out = vec![0; gb];
+                                    k.read(GroupIndex(g), 0, &mut out).unwrap();
+                                    assert_eq!(&out, m, "lost update on group {g}");
+                                }
+                                _ => k.flush(GroupIndex(g)).unwrap(),
+                            }
+                        }
+                        if i % 500 == 0 && t == 0 {
+                            k.sync_all().unwrap();
+                        }
+                    }
+                    model
+                })
+            })
+            .collect();
+        let models: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(k.stats().evictions > 0);
+        drop(Arc::try_unwrap(k).ok().unwrap());
+        let k = open(dir.path(), tier, layout, c);
+        for m in &models {
+            for (g, want) in m {
+                let mut out = vec![0; gb];
+                k.read(GroupIndex(*g), 0, &mut out).unwrap();
+                assert_eq!(&out, want, "group {g} after reopen");
+            }
+        }
+        for g in 0..SHARED {
+            let mut out = vec![0; gb];
+            k.read(GroupIndex(g), 0, &mut out).unwrap();
+            assert!(check_stamped(&out));
+        }
+        assert_eq!(k.stats().checksum_failures, 0);
+    }
+}
+
+#[test]
+fn reopen_restores_every_group_and_state() {
+    let layout = GroupLayout::preset("qwen2.5-7b", 8, 16).unwrap();
+    let gb = layout.group_bytes() as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(10, &layout, PolicyKind::Sieve, false);
+    let k = open(dir.path(), TierKind::Uring, layout, c);
+    let written: Vec<u64> = (0..layout.group_count()).filter(|g| g % 3 != 1).collect();
+    for &g in &written {
+        k.write(GroupIndex(g), 0, &pattern(g, gb)).unwrap();
+    }
+    drop(k); // no explicit sync: drop must flush
+    let k = open(dir.path(), TierKind::File, layout, c);
+    for g in 0..layout.group_count() {
+        let mut out = vec![1; gb];
+        let r = k.read(GroupIndex(g), 0, &mut out).unwrap();
+        if g % 3 == 1 {
+            assert_eq!(r, Residence::Empty);
+            assert!(out.iter().all(|&b| b == 0));
+        } else {
+            assert_eq!(r, Residence::Backing);
+            assert_eq!(out, pattern(g, gb));
+            assert_eq!(
+                k.query(GroupIndex(g)).unwrap().backing_crc,
+                Some(crc32c::crc32c(&out))
+            );
+        }
+    }
+}
+
+fn bcfg(dir: &Path, layout: Option<GroupLayout>) -> BackingConfig {
+    BackingConfig {
+        dir: dir.to_path_buf(),
+        layout,
+        tier: TierKind::File,
+        queue_depth: 4,
+    }
+}
+
+#[test]
+fn geometry_mismatch_names_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = GroupLayout::preset("llama-3.1-8b", 16, 16).unwrap();
+    let b = GroupLayout::preset("qwen2.5-7b", 16, 16).unwrap();
+    drop(Cascade::open(&bcfg(dir.path(), Some(a)), CascadeConfig::default()).unwrap());
+    let e = Cascade::open(&bcfg(dir.path(), Some(b)), CascadeConfig::default())
+        .err()
+        .unwrap();
+    let msg = format!("{e:#}");
+    assert!(
+        msg.contains(&a.describe()) && msg.contains(&b.describe()),
+        "{msg}"
+    );
+    // No geometry given: the store's is used.
+    let k = Cascade::open(&bcfg(dir.path(), None), CascadeConfig::default()).unwrap();
+    assert_eq!(*k.layout(), a);
+    // A second opener is refused while the first holds the store.
+    let e = Cascade::open(&bcfg(dir.path(), None), CascadeConfig::default())
+        .err()
+        .unwrap();
+    assert!(format!("{e:#}").contains("in use by another kvfs"), "{e:#}");
+    drop(k);
+    // A directory with no store and no geometry says so.
+    let empty = tempfile::tempdir().unwrap();
+    let e = Cascade::open(&bcfg(empty.path(), None), CascadeConfig::default())
+        .err()
+        .unwrap();
+    assert!(format!("{e:#}").contains("no geometry was given"), "{e:#}");
+}
+
+#[test]
+fn damaged_superblock_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = GroupLayout::preset("llama-3.1-8b", 4, 16).unwrap();
+    drop(Cascade::open(&bcfg(dir.path(), Some(a)), CascadeConfig::default()).unwrap());
+    let sb = dir.path().join("superblock");
+    let good = std::fs::read(&sb).unwrap();
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (
+            {
+                let mut b = good.clone();
+                b[20] ^= 1;
+                b
+            },
+            "checksum mismatch",
+        ),
+        (
+            {
+                let mut b = good.clone();
+                b[1] = b'x';
+                b
+            },
+            "bad magic",
+        ),
+        (good[..512].to_vec(), "truncated"),
+        (Vec::new(), "truncated"),
+        (vec![0xff; 4096], "bad magic"),
+    ];
+    for (bytes, why) in cases {
+        std::fs::write(&sb, &bytes).unwrap();
+        let e = Cascade::open(&bcfg(dir.path(), None), CascadeConfig::default())
+            .err()
+            .unwrap();
+        let msg = format!("{e:#}");
+        assert!(msg.contains(why) && msg.contains("superblock"), "{msg}");
+    }
+    std::fs::write(&sb, &good).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("data"))
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+    let e = Cascade::open(&bcfg(dir.path(), None), CascadeConfig::default())
+        .err()
+        .unwrap();
+    assert!(format!("{e:#}").contains("damaged"), "{e:#}");
+}
+
+#[test]
+fn forty_million_groups_open_at_once() {
+    // llama-3.1-70b: 80 layers × 8 heads × 2 = 1280 groups a block.
+    let layout = GroupLayout::preset("llama-3.1-70b", 31_250, 16).unwrap();
+    assert_eq!(layout.group_count(), 40_000_000);
+    let dir = tempfile::tempdir().unwrap();
+    let t = std::time::Instant::now();
+    let k = Cascade::open(&bcfg(dir.path(), Some(layout)), CascadeConfig::default()).unwrap();
+    let created = t.elapsed();
+    drop(k);
+    let t = std::time::Instant::now();
+    let k = Cascade::open(&bcfg(dir.path(), None), CascadeConfig::default()).unwrap();
+    eprintln!("40M groups: create {created:?}, reopen {:?}", t.elapsed());
+    let last = layout.index(GroupKey::new(79, 31_249, 7, Kind::V)).unwrap();
+    assert_eq!(last.0, 39_999_999);
+    let gb = layout.group_bytes() as usize;
+    k.write(last, 0, &pattern(5, gb)).unwrap();
+    k.sync_all().unwrap();
+    let mut out = vec![0; gb];
+    k.read(last, 0, &mut out).unwrap();
+    assert_eq!(out, pattern(5, gb));
+    // Sparse: only what was written takes space.
+    use std::os::unix::fs::MetadataExt;
+    let used = std::fs::metadata(dir.path().join("data")).unwrap().blocks() * 512;
+    assert!(used < 1 << 20, "data file uses {used} bytes");
+}
+
+#[test]
+fn file_tier_is_usable_directly() {
+    let layout = small_layout();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("d");
+    let t = FileTier::open(&p, layout).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(layout.backing_bytes())
+        .unwrap();
+    let meta = MetaTable::anonymous(layout.group_count()).unwrap();
+    let c = Cascade::new(
+        layout,
+        Box::new(t),
+        meta,
+        cfg(1, &layout, PolicyKind::Sieve, false),
+    )
+    .unwrap();
+    c.write(GroupIndex(0), 0, &[1; 256]).unwrap();
+    c.write(GroupIndex(1), 0, &[2; 256]).unwrap();
+    let mut out = [0u8; 256];
+    c.read(GroupIndex(0), 0, &mut out).unwrap();
+    assert_eq!(out, [1; 256]);
+    assert!(
+        Cascade::new(
+            layout,
+            Box::new(MemTier::new(layout)),
+            MetaTable::anonymous(32).unwrap(),
+            CascadeConfig {
+                t1_bytes: 100,
+                ..CascadeConfig::default()
+            }
+        )
+        .is_err()
+    );
+}
