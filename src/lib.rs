@@ -5,6 +5,7 @@
 //! `cascade` (T1 over a backing tier), `stats`. See DESIGN.md in the
 //! project's shared folder for the whole shape.
 
+pub mod bench;
 pub mod cascade;
 pub mod geometry;
 pub mod gpu;

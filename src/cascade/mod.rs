@@ -375,7 +375,7 @@ impl Cascade {
     // ---- lookups -----------------------------------------------------
 
     fn check_range(&self, offset: u64, len: usize) -> Result<(), CascadeError> {
-        let end = offset.checked_add(len as u64).unwrap_or(u64::MAX);
+        let end = offset.saturating_add(len as u64);
         if end > self.layout.group_bytes() {
             return Err(CascadeError::OutOfBounds {
                 offset,

@@ -327,7 +327,11 @@ impl GroupLayout {
             });
         }
         let mut i = index.0;
-        let kind = if i % 2 == 0 { Kind::K } else { Kind::V };
+        let kind = if i.is_multiple_of(2) {
+            Kind::K
+        } else {
+            Kind::V
+        };
         i /= 2;
         let head = (i % self.kv_heads as u64) as u32;
         i /= self.kv_heads as u64;

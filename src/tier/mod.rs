@@ -137,7 +137,7 @@ pub(crate) fn check_op(
     }
     let want = layout.stride() as usize;
     let addr = buf.as_ptr() as usize;
-    if buf.len() != want || addr % IO_ALIGN as usize != 0 {
+    if buf.len() != want || !addr.is_multiple_of(IO_ALIGN as usize) {
         return Err(TierError::BadBuffer {
             index,
             want,

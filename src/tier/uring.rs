@@ -82,7 +82,14 @@ impl UringTier {
     }
 
     fn new_ring(&self) -> io::Result<IoUring> {
-        let ring = IoUring::new(self.queue_depth.next_power_of_two())?;
+        let entries = self.queue_depth.next_power_of_two();
+        // COOP_TASKRUN (Linux 5.19+) spares the task an interrupt per
+        // completion; older kernels refuse the flag, so fall back to none.
+        let ring = match IoUring::builder().setup_coop_taskrun().build(entries) {
+            Ok(r) => r,
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => IoUring::new(entries)?,
+            Err(e) => return Err(e),
+        };
         // A registered file saves an fd lookup per transfer.
         ring.submitter().register_files(&[self.file.as_raw_fd()])?;
         Ok(ring)
@@ -122,7 +129,6 @@ impl UringTier {
         let mut tries = vec![0u32; xfers.len()];
         while next < xfers.len() || inflight > 0 || !retry.is_empty() {
             {
-                let mut sq = ring.submission();
                 while inflight < depth {
                     let i = match retry.pop() {
                         Some(i) => i,
@@ -147,12 +153,18 @@ impl UringTier {
                     // and this loop does not return until every pushed entry's
                     // completion has been reaped (inflight == 0), so the kernel
                     // never touches it after it is released.
-                    if unsafe { sq.push(&sqe) }.is_err() {
+                    if unsafe { ring.submission().push(&sqe) }.is_err() {
                         // Queue full: put it back and submit what we have.
                         retry.push(i);
                         break;
                     }
                     inflight += 1;
+                    // Submit each transfer as soon as it is queued: a batch
+                    // submitted in one call is plugged and reaches the device
+                    // as one burst, and on the virtio disks we measured that
+                    // kept fewer transfers truly in flight (fio submits one
+                    // at a time too). Errors surface in submit_and_wait below.
+                    let _ = ring.submit();
                 }
             }
             if inflight == 0 {
