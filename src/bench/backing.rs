@@ -95,10 +95,9 @@ fn prepare_file(path: &std::path::Path, bytes: u64) -> anyhow::Result<()> {
 fn run_tier(tier: &dyn Tier, queue_depth: u32, seconds: f64) -> anyhow::Result<f64> {
     let layout = *tier.layout();
     let stride = layout.stride() as usize;
-    // Batches of four queue depths: the queue drains only at the end of a
-    // batch, and the buffers stay few (fio, the baseline, cycles through
-    // iodepth buffers).
-    let batch = (queue_depth as usize * 4).max(64);
+    // Batches of sixteen queue depths: the queue drains only at the end of
+    // a batch, which then costs about half a device latency in sixteen.
+    let batch = (queue_depth as usize * 16).max(64);
     let mut bufs = HostBuf::alloc(stride * batch)?;
     let mut rng = Rng::new(42);
     let n = layout.group_count();
