@@ -7,6 +7,8 @@
 
 pub mod bench;
 pub mod cascade;
+pub mod fs;
 pub mod geometry;
 pub mod gpu;
+pub mod stats;
 pub mod tier;

@@ -21,6 +21,12 @@ pub use superblock::{SUPERBLOCK_BYTES, SuperblockError, decode_superblock, encod
 
 use std::fmt;
 
+/// Parses one canonical numbered path component such as `L12` (`None` if
+/// it is not canonical); the filesystem's lookups use it.
+pub fn name_component(comp: &str, prefix: char) -> Option<u64> {
+    name::parse_component(comp, prefix).ok()
+}
+
 /// Backing I/O alignment: O_DIRECT needs offsets, lengths and buffers aligned
 /// to the logical block size; 4096 covers every device and page size we run on.
 pub const IO_ALIGN: u64 = 4096;

@@ -1,0 +1,694 @@
+//! The FUSE face of kvfs: the only place fuser's types appear.
+//!
+//! A thin adapter over the cascade (mountpoint-s3's shape): every group is a
+//! regular file `L{l}/B{b}/H{h}/{K|V}` of exactly `group_bytes` bytes; the
+//! directory tree is computed from the layout (inode numbers are arithmetic,
+//! see `inode.rs`, and readdir pages through entries by offset), so memory
+//! and mount time do not grow with the geometry. `.kvfs/` holds `stats`
+//! (Prometheus text), `layout` (JSON), `resident/` (a symlink per T1-resident
+//! group), `flush` (write anything: every dirty group is written back and
+//! made durable before the write returns) and `pid`. Errors become errnos
+//! in one exhaustive mapping, `errno()`. Group files are opened with
+//! FOPEN_KEEP_CACHE: every change to a group passes through this process
+//! (kernel writes keep their page cache coherent themselves), so repeat
+//! reads of an unchanged group can be served from the kernel's cache.
+
+mod inode;
+
+pub use inode::{Inodes, KVFS_FILES, Node};
+
+use crate::cascade::{Cascade, CascadeError, Residence};
+use crate::geometry::{GroupIndex, GroupKey, Kind, parse_group_name};
+use crate::stats::{self, Exposition, Histogram};
+use crate::tier::TierError;
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner,
+    OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen,
+    ReplyStatfs, ReplyWrite, ReplyXattr, Request, WriteFlags,
+};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+/// Names never change meaning, so the kernel may cache lookups for long.
+const ENTRY_TTL: Duration = Duration::from_secs(3600);
+/// Attributes (blocks, for `du`) change as groups are written; short.
+const ATTR_TTL: Duration = Duration::from_secs(1);
+
+const XATTR_TIER: &str = "user.kvfs.tier";
+const XATTR_DIRTY: &str = "user.kvfs.dirty";
+const XATTR_CRC: &str = "user.kvfs.crc32c";
+
+/// The one errno boundary: every error kvfs can raise, mapped.
+pub fn errno(e: &CascadeError) -> Errno {
+    match e {
+        CascadeError::Tier(t) => match t {
+            TierError::Io { source, .. } | TierError::Sync(source) => {
+                source.raw_os_error().map(Errno::from_i32).unwrap_or(Errno::EIO)
+            }
+            TierError::Short { .. } => Errno::EIO,
+            TierError::OutOfRange { .. } => Errno::EINVAL,
+            TierError::BadBuffer { .. } => Errno::EINVAL,
+        },
+        CascadeError::Checksum { .. } => Errno::EIO,
+        CascadeError::OutOfBounds { .. } => Errno::EFBIG,
+        CascadeError::OutOfRange(_) => Errno::ENOENT,
+        CascadeError::MetaSync(source) => source.raw_os_error().map(Errno::from_i32).unwrap_or(Errno::EIO),
+        CascadeError::T1TooSmall { .. } => Errno::EINVAL,
+        CascadeError::Alloc { .. } => Errno::ENOMEM,
+    }
+}
+
+/// What an open file handle carries.
+enum Handle {
+    /// A group file: nothing to keep.
+    Group,
+    /// A generated text file, rendered once at open so a reader sees one
+    /// consistent snapshot however it splits its reads.
+    Text(Vec<u8>),
+    /// The resident directory, listed once at opendir for stable offsets.
+    Resident(Vec<GroupIndex>),
+}
+
+#[derive(Default)]
+struct Latencies {
+    read: Histogram,
+    write: Histogram,
+    fsync: Histogram,
+    lookup: Histogram,
+}
+
+pub struct KvFs {
+    cascade: Arc<Cascade>,
+    inodes: Inodes,
+    uid: u32,
+    gid: u32,
+    born: SystemTime,
+    handles: Mutex<HashMap<u64, Handle>>,
+    next_fh: AtomicU64,
+    lat: Latencies,
+    started: Instant,
+}
+
+impl KvFs {
+    pub fn new(cascade: Arc<Cascade>, uid: u32, gid: u32) -> KvFs {
+        let inodes = Inodes::new(*cascade.layout());
+        KvFs {
+            cascade,
+            inodes,
+            uid,
+            gid,
+            born: SystemTime::now(),
+            handles: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            lat: Latencies::default(),
+            started: Instant::now(),
+        }
+    }
+
+    pub fn cascade(&self) -> &Arc<Cascade> {
+        &self.cascade
+    }
+
+    fn attr(&self, node: Node) -> FileAttr {
+        let (kind, perm, size, nlink) = match node {
+            Node::Root | Node::KvfsDir | Node::ResidentDir => (FileType::Directory, 0o755, 0, 2),
+            Node::Layer(_) | Node::Block(..) | Node::Head(..) => (FileType::Directory, 0o755, 0, 2),
+            Node::Group(_) => (FileType::RegularFile, 0o644, self.cascade.layout().group_bytes(), 1),
+            Node::Stats | Node::Layout | Node::Pid => (FileType::RegularFile, 0o444, 0, 1),
+            Node::Flush => (FileType::RegularFile, 0o200, 0, 1),
+            Node::Resident(g) => (FileType::Symlink, 0o777, self.resident_target(g).len() as u64, 1),
+        };
+        let blocks = match node {
+            Node::Group(g) => match self.cascade.query(g).map(|q| q.residence) {
+                Ok(Residence::Empty) | Err(_) => 0,
+                Ok(_) => size.div_ceil(512),
+            },
+            _ => 0,
+        };
+        FileAttr {
+            ino: INodeNo(self.inodes.ino(node)),
+            size,
+            blocks,
+            atime: self.born,
+            mtime: self.born,
+            ctime: self.born,
+            crtime: self.born,
+            kind,
+            perm,
+            nlink,
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            blksize: 4096,
+            flags: 0,
+        }
+    }
+
+    fn key(&self, g: GroupIndex) -> GroupKey {
+        self.cascade.layout().key(g).expect("inode ranges only hold valid groups")
+    }
+
+    fn resident_name(&self, g: GroupIndex) -> String {
+        let k = self.key(g);
+        format!("L{}.B{}.H{}.{}", k.layer, k.block, k.head, k.kind.letter())
+    }
+
+    fn resident_target(&self, g: GroupIndex) -> String {
+        format!("../../{}", self.key(g))
+    }
+
+    /// Looks up `name` in directory `parent`.
+    fn child(&self, parent: Node, name: &str) -> Option<Node> {
+        use crate::geometry::name_component as comp;
+        let l = self.cascade.layout();
+        let n = match parent {
+            Node::Root if name == ".kvfs" => Node::KvfsDir,
+            Node::Root => {
+                let x = comp(name, 'L')?;
+                (x < l.layers as u64).then_some(Node::Layer(x as u32))?
+            }
+            Node::Layer(x) => {
+                let b = comp(name, 'B')?;
+                (b < l.blocks).then_some(Node::Block(x, b))?
+            }
+            Node::Block(x, b) => {
+                let h = comp(name, 'H')?;
+                (h < l.kv_heads as u64).then_some(Node::Head(x, b, h as u32))?
+            }
+            Node::Head(x, b, h) => {
+                let kind = match name {
+                    "K" => Kind::K,
+                    "V" => Kind::V,
+                    _ => return None,
+                };
+                Node::Group(l.index(GroupKey::new(x, b, h, kind)).ok()?)
+            }
+            Node::KvfsDir => {
+                let ino = KVFS_FILES.iter().find(|(n, _)| *n == name)?.1;
+                self.inodes.node(ino)?
+            }
+            Node::ResidentDir => {
+                let path = name.replace('.', "/");
+                let g = l.index(parse_group_name(&path).ok()?).ok()?;
+                (self.cascade.query(g).ok()?.residence == Residence::T1).then_some(Node::Resident(g))?
+            }
+            _ => return None,
+        };
+        Some(n)
+    }
+
+    /// Entry number `i` of directory `dir` (after `.` and `..`).
+    fn entry(&self, dir: Node, i: u64, resident: Option<&[GroupIndex]>) -> Option<(Node, String)> {
+        let l = self.cascade.layout();
+        Some(match dir {
+            Node::Root if i == 0 => (Node::KvfsDir, ".kvfs".into()),
+            Node::Root => {
+                let x = i - 1;
+                (x < l.layers as u64).then(|| (Node::Layer(x as u32), format!("L{x}")))?
+            }
+            Node::Layer(x) => (i < l.blocks).then(|| (Node::Block(x, i), format!("B{i}")))?,
+            Node::Block(x, b) => {
+                (i < l.kv_heads as u64).then(|| (Node::Head(x, b, i as u32), format!("H{i}")))?
+            }
+            Node::Head(x, b, h) => {
+                let kind = [Kind::K, Kind::V].get(i as usize)?;
+                let g = l.index(GroupKey::new(x, b, h, *kind)).ok()?;
+                (Node::Group(g), kind.letter().to_string())
+            }
+            Node::KvfsDir => {
+                let (name, ino) = KVFS_FILES.get(i as usize)?;
+                (self.inodes.node(*ino)?, name.to_string())
+            }
+            Node::ResidentDir => {
+                let g = *resident?.get(i as usize)?;
+                (Node::Resident(g), self.resident_name(g))
+            }
+            _ => return None,
+        })
+    }
+
+    fn parent_of(&self, dir: Node) -> Node {
+        match dir {
+            Node::Layer(_) | Node::KvfsDir | Node::Root => Node::Root,
+            Node::Block(x, _) => Node::Layer(x),
+            Node::Head(x, b, _) => Node::Block(x, b),
+            _ => Node::KvfsDir,
+        }
+    }
+
+    fn new_handle(&self, h: Handle) -> FileHandle {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        self.handles.lock().insert(fh, h);
+        FileHandle(fh)
+    }
+
+    /// The `.kvfs/stats` document.
+    pub fn render_stats(&self) -> String {
+        let s = self.cascade.stats();
+        let mut e = Exposition::default();
+        e.header(stats::HITS, "counter", "Group reads served, by tier.");
+        e.sample(stats::HITS, "tier=\"t1\"", s.hits);
+        e.sample(stats::HITS, "tier=\"backing\"", s.misses);
+        e.single(stats::MISSES, "counter", "Group reads that missed T1 and went to the backing.", s.misses);
+        e.single(stats::EMPTY_READS, "counter", "Reads of never-written groups (zeros, no I/O).", s.empty_reads);
+        e.header(stats::READ_BYTES, "counter", "Bytes read, by tier.");
+        e.sample(stats::READ_BYTES, "tier=\"t1\"", s.t1_read_bytes);
+        e.sample(stats::READ_BYTES, "tier=\"backing\"", s.backing_read_bytes);
+        e.header(stats::WRITE_BYTES, "counter", "Bytes written, by tier.");
+        e.sample(stats::WRITE_BYTES, "tier=\"t1\"", s.t1_write_bytes);
+        e.sample(stats::WRITE_BYTES, "tier=\"backing\"", s.backing_write_bytes);
+        e.single(stats::EVICTIONS, "counter", "Groups evicted from T1.", s.evictions);
+        e.single(stats::FLUSHES, "counter", "Groups written back to the backing.", s.flushes);
+        e.single(stats::FLUSHED_BYTES, "counter", "Bytes written back to the backing.", s.flushed_bytes);
+        e.single(stats::CHECKSUM_FAILURES, "counter", "Backing reads refused for a bad checksum.", s.checksum_failures);
+        e.single(stats::WRITE_BACK_FAILURES, "counter", "Write-backs the backing failed.", s.write_back_failures);
+        e.single(stats::T1_SLOTS_USED, "gauge", "T1 slots holding a group.", s.t1_slots_used);
+        e.single(stats::T1_SLOTS_TOTAL, "gauge", "T1 slots in all.", s.t1_slots_total);
+        e.single(stats::DIRTY_GROUPS, "gauge", "Groups in T1 not yet written back.", s.dirty_slots);
+        e.single(stats::DIRTY_BYTES, "gauge", "Bytes in T1 not yet written back.", s.dirty_bytes);
+        e.histogram(
+            stats::OP_LATENCY,
+            "Filesystem operation latency.",
+            &[
+                ("op=\"read\"", &self.lat.read),
+                ("op=\"write\"", &self.lat.write),
+                ("op=\"fsync\"", &self.lat.fsync),
+                ("op=\"lookup\"", &self.lat.lookup),
+            ],
+        );
+        e.single(
+            "kvfs_uptime_seconds",
+            "gauge",
+            "Seconds since the mount.",
+            self.started.elapsed().as_secs(),
+        );
+        e.finish()
+    }
+
+    fn render_layout(&self) -> String {
+        let c = &self.cascade;
+        let l = c.layout();
+        let json = l.to_json();
+        format!(
+            "{},\"t1_bytes\":{},\"t1_slots\":{},\"tier\":\"{}\",\"policy\":\"{}\"}}\n",
+            &json[..json.len() - 1],
+            c.t1_slots() as u64 * l.stride(),
+            c.t1_slots(),
+            c.tier_name(),
+            c.policy_name()
+        )
+    }
+
+    fn xattr(&self, g: GroupIndex, name: &str) -> Result<Option<String>, CascadeError> {
+        let q = self.cascade.query(g)?;
+        Ok(match name {
+            XATTR_TIER => Some(q.residence.name().to_string()),
+            XATTR_DIRTY => Some(if q.dirty { "1" } else { "0" }.to_string()),
+            XATTR_CRC => match q.residence {
+                Residence::Empty => None,
+                // A dirty group's checksum is that of its current bytes.
+                _ if q.dirty || q.backing_crc.is_none() => {
+                    let mut b = vec![0u8; self.cascade.layout().group_bytes() as usize];
+                    self.cascade.read(g, 0, &mut b)?;
+                    Some(format!("{:08x}", crc32c::crc32c(&b)))
+                }
+                _ => q.backing_crc.map(|c| format!("{c:08x}")),
+            },
+            _ => None,
+        })
+    }
+}
+
+fn reply_xattr(reply: ReplyXattr, size: u32, data: &[u8]) {
+    if size == 0 {
+        reply.size(data.len() as u32);
+    } else if (size as usize) < data.len() {
+        reply.error(Errno::ERANGE);
+    } else {
+        reply.data(data);
+    }
+}
+
+impl Filesystem for KvFs {
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let t = Instant::now();
+        let found = self
+            .inodes
+            .node(parent.0)
+            .zip(name.to_str())
+            .and_then(|(p, n)| self.child(p, n));
+        match found {
+            Some(n) => reply.entry(&ENTRY_TTL, &self.attr(n), Generation(0)),
+            None => reply.error(Errno::ENOENT),
+        }
+        self.lat.lookup.observe(t.elapsed());
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.inodes.node(ino.0) {
+            Some(n) => reply.attr(&ATTR_TTL, &self.attr(n)),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        _atime: Option<fuser::TimeOrNow>,
+        _mtime: Option<fuser::TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let Some(n) = self.inodes.node(ino.0) else {
+            return reply.error(Errno::ENOENT);
+        };
+        if mode.is_some() || uid.is_some() || gid.is_some() {
+            return reply.error(Errno::EPERM);
+        }
+        match (n, size) {
+            // Groups have a fixed size: truncating to it (O_TRUNC opens
+            // become this) leaves the bytes as they are; any other size is refused.
+            (Node::Group(_), Some(s)) if s == self.cascade.layout().group_bytes() => {}
+            (Node::Group(_), Some(s)) if s > self.cascade.layout().group_bytes() => {
+                return reply.error(Errno::EFBIG);
+            }
+            (_, Some(_)) => return reply.error(Errno::EPERM),
+            _ => {}
+        }
+        reply.attr(&ATTR_TTL, &self.attr(n));
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.inodes.node(ino.0) {
+            Some(Node::Resident(g)) => reply.data(self.resident_target(g).as_bytes()),
+            _ => reply.error(Errno::EINVAL),
+        }
+    }
+
+    fn mknod(&self, _r: &Request, _p: INodeNo, _n: &OsStr, _m: u32, _u: u32, _d: u32, reply: ReplyEntry) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn mkdir(&self, _r: &Request, _p: INodeNo, _n: &OsStr, _m: u32, _u: u32, reply: ReplyEntry) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn unlink(&self, _r: &Request, _p: INodeNo, _n: &OsStr, reply: ReplyEmpty) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn rmdir(&self, _r: &Request, _p: INodeNo, _n: &OsStr, reply: ReplyEmpty) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn symlink(&self, _r: &Request, _p: INodeNo, _n: &OsStr, _t: &std::path::Path, reply: ReplyEntry) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn rename(
+        &self,
+        _r: &Request,
+        _p: INodeNo,
+        _n: &OsStr,
+        _np: INodeNo,
+        _nn: &OsStr,
+        _f: fuser::RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn link(&self, _r: &Request, _i: INodeNo, _np: INodeNo, _nn: &OsStr, reply: ReplyEntry) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn create(
+        &self,
+        _r: &Request,
+        _p: INodeNo,
+        _n: &OsStr,
+        _m: u32,
+        _u: u32,
+        _f: i32,
+        reply: fuser::ReplyCreate,
+    ) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.inodes.node(ino.0) {
+            Some(Node::Group(_)) => reply.opened(self.new_handle(Handle::Group), FopenFlags::FOPEN_KEEP_CACHE),
+            Some(Node::Stats) => {
+                let fh = self.new_handle(Handle::Text(self.render_stats().into_bytes()));
+                reply.opened(fh, FopenFlags::FOPEN_DIRECT_IO)
+            }
+            Some(Node::Layout) => {
+                let fh = self.new_handle(Handle::Text(self.render_layout().into_bytes()));
+                reply.opened(fh, FopenFlags::FOPEN_DIRECT_IO)
+            }
+            Some(Node::Pid) => {
+                let fh = self.new_handle(Handle::Text(format!("{}\n", std::process::id()).into_bytes()));
+                reply.opened(fh, FopenFlags::FOPEN_DIRECT_IO)
+            }
+            Some(Node::Flush) => reply.opened(self.new_handle(Handle::Group), FopenFlags::FOPEN_DIRECT_IO),
+            Some(_) => reply.error(Errno::EISDIR),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let t = Instant::now();
+        match self.inodes.node(ino.0) {
+            Some(Node::Group(g)) => {
+                let gb = self.cascade.layout().group_bytes();
+                if offset >= gb {
+                    return reply.data(&[]);
+                }
+                let len = (size as u64).min(gb - offset) as usize;
+                let mut buf = vec![0u8; len];
+                match self.cascade.read(g, offset, &mut buf) {
+                    Ok(_) => reply.data(&buf),
+                    Err(e) => reply.error(errno(&e)),
+                }
+                self.lat.read.observe(t.elapsed());
+            }
+            Some(_) => {
+                let h = self.handles.lock();
+                match h.get(&fh.0) {
+                    Some(Handle::Text(b)) => {
+                        let start = (offset as usize).min(b.len());
+                        let end = (start + size as usize).min(b.len());
+                        reply.data(&b[start..end])
+                    }
+                    _ => reply.error(Errno::EBADF),
+                }
+            }
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _wf: WriteFlags,
+        _flags: OpenFlags,
+        _lock: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let t = Instant::now();
+        match self.inodes.node(ino.0) {
+            Some(Node::Group(g)) => {
+                match self.cascade.write(g, offset, data) {
+                    Ok(()) => reply.written(data.len() as u32),
+                    Err(e) => reply.error(errno(&e)),
+                }
+                self.lat.write.observe(t.elapsed());
+            }
+            Some(Node::Flush) => match self.cascade.sync_all() {
+                Ok(()) => reply.written(data.len() as u32),
+                Err(e) => {
+                    tracing::error!("flush requested through .kvfs/flush failed: {e}");
+                    reply.error(errno(&e))
+                }
+            },
+            Some(_) => reply.error(Errno::EBADF),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn flush(&self, _r: &Request, _i: INodeNo, _fh: FileHandle, _lo: LockOwner, reply: ReplyEmpty) {
+        // close(2) promises nothing about durability; fsync does.
+        reply.ok();
+    }
+
+    fn release(
+        &self,
+        _r: &Request,
+        _i: INodeNo,
+        fh: FileHandle,
+        _f: OpenFlags,
+        _lo: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.handles.lock().remove(&fh.0);
+        reply.ok();
+    }
+
+    fn fsync(&self, _r: &Request, ino: INodeNo, _fh: FileHandle, _ds: bool, reply: ReplyEmpty) {
+        let t = Instant::now();
+        let r = match self.inodes.node(ino.0) {
+            Some(Node::Group(g)) => self.cascade.flush(g),
+            Some(_) => Ok(()),
+            None => return reply.error(Errno::ENOENT),
+        };
+        match r {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+        self.lat.fsync.observe(t.elapsed());
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.inodes.node(ino.0) {
+            Some(Node::ResidentDir) => {
+                let fh = self.new_handle(Handle::Resident(self.cascade.resident()));
+                reply.opened(fh, FopenFlags::empty())
+            }
+            Some(Node::Group(_) | Node::Stats | Node::Layout | Node::Flush | Node::Pid | Node::Resident(_)) => {
+                reply.error(Errno::ENOTDIR)
+            }
+            Some(_) => reply.opened(FileHandle(0), FopenFlags::empty()),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn readdir(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+        let Some(dir) = self.inodes.node(ino.0) else {
+            return reply.error(Errno::ENOENT);
+        };
+        let handles = self.handles.lock();
+        let resident = match handles.get(&fh.0) {
+            Some(Handle::Resident(v)) => Some(v.as_slice()),
+            _ => None,
+        };
+        // Offsets: 0 is ".", 1 is "..", 2 + i is entry i; the offset given
+        // with each entry is the one to resume after it.
+        let mut off = offset;
+        loop {
+            let (node, name) = match off {
+                0 => (dir, ".".to_string()),
+                1 => (self.parent_of(dir), "..".to_string()),
+                _ => match self.entry(dir, off - 2, resident) {
+                    Some(e) => e,
+                    None => break,
+                },
+            };
+            let kind = self.attr(node).kind;
+            if reply.add(INodeNo(self.inodes.ino(node)), off + 1, kind, &name) {
+                break;
+            }
+            off += 1;
+        }
+        drop(handles);
+        reply.ok();
+    }
+
+    fn releasedir(&self, _r: &Request, _i: INodeNo, fh: FileHandle, _f: OpenFlags, reply: ReplyEmpty) {
+        self.handles.lock().remove(&fh.0);
+        reply.ok();
+    }
+
+    fn fsyncdir(&self, _r: &Request, _i: INodeNo, _fh: FileHandle, _ds: bool, reply: ReplyEmpty) {
+        // fsync on any directory makes every group durable (the kernel does
+        // not forward sync(2)/syncfs(2) to FUSE filesystems).
+        match self.cascade.sync_all() {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let l = self.cascade.layout();
+        let blocks = l.group_count() * l.group_bytes() / 4096;
+        reply.statfs(blocks, 0, 0, l.group_count(), 0, 4096, 255, 4096);
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let Some(Node::Group(g)) = self.inodes.node(ino.0) else {
+            return reply.error(Errno::NO_XATTR);
+        };
+        match self.xattr(g, &name.to_string_lossy()) {
+            Ok(Some(v)) => reply_xattr(reply, size, v.as_bytes()),
+            Ok(None) => reply.error(Errno::NO_XATTR),
+            Err(e) => reply.error(errno(&e)),
+        }
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let Some(Node::Group(g)) = self.inodes.node(ino.0) else {
+            return reply_xattr(reply, size, &[]);
+        };
+        let mut names = Vec::new();
+        for n in [XATTR_TIER, XATTR_DIRTY, XATTR_CRC] {
+            if n == XATTR_CRC && matches!(self.cascade.query(g).map(|q| q.residence), Ok(Residence::Empty)) {
+                continue;
+            }
+            names.extend_from_slice(n.as_bytes());
+            names.push(0);
+        }
+        reply_xattr(reply, size, &names)
+    }
+
+    fn setxattr(
+        &self,
+        _r: &Request,
+        _i: INodeNo,
+        _n: &OsStr,
+        _v: &[u8],
+        _f: i32,
+        _p: u32,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn removexattr(&self, _r: &Request, _i: INodeNo, _n: &OsStr, reply: ReplyEmpty) {
+        reply.error(Errno::EPERM);
+    }
+
+    fn access(&self, _req: &Request, ino: INodeNo, _mask: fuser::AccessFlags, reply: ReplyEmpty) {
+        match self.inodes.node(ino.0) {
+            Some(_) => reply.ok(),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+}
