@@ -1,5 +1,7 @@
 //! The `kvfs` command line.
 
+mod cli;
+
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kvfs::bench::backing::BackingBench;
@@ -26,6 +28,21 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Mount kvfs: every KV group appears as a file L{layer}/B{block}/H{head}/{K|V}.
+    ///
+    /// With no options it works on a fresh machine: the backing store goes to
+    /// /var/lib/kvfs (root) or ~/.local/share/kvfs, T1 is 1 GiB of RAM, and a new
+    /// store gets the llama-3.1-8b geometry with 4096 blocks of 16 tokens. An
+    /// existing store keeps its own geometry; geometry options that disagree
+    /// with it are refused. Returns once the mount is ready (or failed).
+    Mount(cli::mount::MountArgs),
+    /// Flush every dirty group to the backing, then unmount; returns when both are done.
+    Umount { mountpoint: PathBuf },
+    /// Geometry, T1 use, dirty bytes and hit ratios of a mount.
+    Stat { mountpoint: PathBuf },
+    /// Write back every dirty group and make it durable (the kernel does not
+    /// pass sync(2)/syncfs(2) on to FUSE filesystems; this does the same job).
+    Sync { mountpoint: PathBuf },
     /// Benchmarks that print their figure next to a baseline from the same run.
     Bench {
         #[command(subcommand)]
@@ -68,9 +85,14 @@ fn parse_size(s: &str) -> Result<u64, String> {
 
 fn main() {
     let cli = Cli::parse();
-    let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| cli.log.clone());
+    // fuser warns when its own unmount-on-exit finds the mount already gone
+    // (after `kvfs umount` or `umount`): expected, so not shown by default.
+    let filter =
+        std::env::var("RUST_LOG").unwrap_or_else(|_| format!("{},fuser::session=error", cli.log));
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run(cli) {
@@ -81,6 +103,10 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
+        Cmd::Mount(args) => cli::mount::mount(args)?,
+        Cmd::Umount { mountpoint } => cli::mount::umount(&mountpoint)?,
+        Cmd::Stat { mountpoint } => cli::mount::stat(&mountpoint)?,
+        Cmd::Sync { mountpoint } => cli::mount::flush(&mountpoint)?,
         Cmd::Bench { what } => match what {
             BenchCmd::Backing {
                 dir,

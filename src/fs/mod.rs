@@ -46,9 +46,10 @@ const XATTR_CRC: &str = "user.kvfs.crc32c";
 pub fn errno(e: &CascadeError) -> Errno {
     match e {
         CascadeError::Tier(t) => match t {
-            TierError::Io { source, .. } | TierError::Sync(source) => {
-                source.raw_os_error().map(Errno::from_i32).unwrap_or(Errno::EIO)
-            }
+            TierError::Io { source, .. } | TierError::Sync(source) => source
+                .raw_os_error()
+                .map(Errno::from_i32)
+                .unwrap_or(Errno::EIO),
             TierError::Short { .. } => Errno::EIO,
             TierError::OutOfRange { .. } => Errno::EINVAL,
             TierError::BadBuffer { .. } => Errno::EINVAL,
@@ -56,7 +57,10 @@ pub fn errno(e: &CascadeError) -> Errno {
         CascadeError::Checksum { .. } => Errno::EIO,
         CascadeError::OutOfBounds { .. } => Errno::EFBIG,
         CascadeError::OutOfRange(_) => Errno::ENOENT,
-        CascadeError::MetaSync(source) => source.raw_os_error().map(Errno::from_i32).unwrap_or(Errno::EIO),
+        CascadeError::MetaSync(source) => source
+            .raw_os_error()
+            .map(Errno::from_i32)
+            .unwrap_or(Errno::EIO),
         CascadeError::T1TooSmall { .. } => Errno::EINVAL,
         CascadeError::Alloc { .. } => Errno::ENOMEM,
     }
@@ -117,10 +121,20 @@ impl KvFs {
         let (kind, perm, size, nlink) = match node {
             Node::Root | Node::KvfsDir | Node::ResidentDir => (FileType::Directory, 0o755, 0, 2),
             Node::Layer(_) | Node::Block(..) | Node::Head(..) => (FileType::Directory, 0o755, 0, 2),
-            Node::Group(_) => (FileType::RegularFile, 0o644, self.cascade.layout().group_bytes(), 1),
+            Node::Group(_) => (
+                FileType::RegularFile,
+                0o644,
+                self.cascade.layout().group_bytes(),
+                1,
+            ),
             Node::Stats | Node::Layout | Node::Pid => (FileType::RegularFile, 0o444, 0, 1),
             Node::Flush => (FileType::RegularFile, 0o200, 0, 1),
-            Node::Resident(g) => (FileType::Symlink, 0o777, self.resident_target(g).len() as u64, 1),
+            Node::Resident(g) => (
+                FileType::Symlink,
+                0o777,
+                self.resident_target(g).len() as u64,
+                1,
+            ),
         };
         let blocks = match node {
             Node::Group(g) => match self.cascade.query(g).map(|q| q.residence) {
@@ -149,7 +163,10 @@ impl KvFs {
     }
 
     fn key(&self, g: GroupIndex) -> GroupKey {
-        self.cascade.layout().key(g).expect("inode ranges only hold valid groups")
+        self.cascade
+            .layout()
+            .key(g)
+            .expect("inode ranges only hold valid groups")
     }
 
     fn resident_name(&self, g: GroupIndex) -> String {
@@ -194,7 +211,8 @@ impl KvFs {
             Node::ResidentDir => {
                 let path = name.replace('.', "/");
                 let g = l.index(parse_group_name(&path).ok()?).ok()?;
-                (self.cascade.query(g).ok()?.residence == Residence::T1).then_some(Node::Resident(g))?
+                (self.cascade.query(g).ok()?.residence == Residence::T1)
+                    .then_some(Node::Resident(g))?
             }
             _ => return None,
         };
@@ -253,23 +271,82 @@ impl KvFs {
         e.header(stats::HITS, "counter", "Group reads served, by tier.");
         e.sample(stats::HITS, "tier=\"t1\"", s.hits);
         e.sample(stats::HITS, "tier=\"backing\"", s.misses);
-        e.single(stats::MISSES, "counter", "Group reads that missed T1 and went to the backing.", s.misses);
-        e.single(stats::EMPTY_READS, "counter", "Reads of never-written groups (zeros, no I/O).", s.empty_reads);
+        e.single(
+            stats::MISSES,
+            "counter",
+            "Group reads that missed T1 and went to the backing.",
+            s.misses,
+        );
+        e.single(
+            stats::EMPTY_READS,
+            "counter",
+            "Reads of never-written groups (zeros, no I/O).",
+            s.empty_reads,
+        );
         e.header(stats::READ_BYTES, "counter", "Bytes read, by tier.");
         e.sample(stats::READ_BYTES, "tier=\"t1\"", s.t1_read_bytes);
         e.sample(stats::READ_BYTES, "tier=\"backing\"", s.backing_read_bytes);
         e.header(stats::WRITE_BYTES, "counter", "Bytes written, by tier.");
         e.sample(stats::WRITE_BYTES, "tier=\"t1\"", s.t1_write_bytes);
-        e.sample(stats::WRITE_BYTES, "tier=\"backing\"", s.backing_write_bytes);
-        e.single(stats::EVICTIONS, "counter", "Groups evicted from T1.", s.evictions);
-        e.single(stats::FLUSHES, "counter", "Groups written back to the backing.", s.flushes);
-        e.single(stats::FLUSHED_BYTES, "counter", "Bytes written back to the backing.", s.flushed_bytes);
-        e.single(stats::CHECKSUM_FAILURES, "counter", "Backing reads refused for a bad checksum.", s.checksum_failures);
-        e.single(stats::WRITE_BACK_FAILURES, "counter", "Write-backs the backing failed.", s.write_back_failures);
-        e.single(stats::T1_SLOTS_USED, "gauge", "T1 slots holding a group.", s.t1_slots_used);
-        e.single(stats::T1_SLOTS_TOTAL, "gauge", "T1 slots in all.", s.t1_slots_total);
-        e.single(stats::DIRTY_GROUPS, "gauge", "Groups in T1 not yet written back.", s.dirty_slots);
-        e.single(stats::DIRTY_BYTES, "gauge", "Bytes in T1 not yet written back.", s.dirty_bytes);
+        e.sample(
+            stats::WRITE_BYTES,
+            "tier=\"backing\"",
+            s.backing_write_bytes,
+        );
+        e.single(
+            stats::EVICTIONS,
+            "counter",
+            "Groups evicted from T1.",
+            s.evictions,
+        );
+        e.single(
+            stats::FLUSHES,
+            "counter",
+            "Groups written back to the backing.",
+            s.flushes,
+        );
+        e.single(
+            stats::FLUSHED_BYTES,
+            "counter",
+            "Bytes written back to the backing.",
+            s.flushed_bytes,
+        );
+        e.single(
+            stats::CHECKSUM_FAILURES,
+            "counter",
+            "Backing reads refused for a bad checksum.",
+            s.checksum_failures,
+        );
+        e.single(
+            stats::WRITE_BACK_FAILURES,
+            "counter",
+            "Write-backs the backing failed.",
+            s.write_back_failures,
+        );
+        e.single(
+            stats::T1_SLOTS_USED,
+            "gauge",
+            "T1 slots holding a group.",
+            s.t1_slots_used,
+        );
+        e.single(
+            stats::T1_SLOTS_TOTAL,
+            "gauge",
+            "T1 slots in all.",
+            s.t1_slots_total,
+        );
+        e.single(
+            stats::DIRTY_GROUPS,
+            "gauge",
+            "Groups in T1 not yet written back.",
+            s.dirty_slots,
+        );
+        e.single(
+            stats::DIRTY_BYTES,
+            "gauge",
+            "Bytes in T1 not yet written back.",
+            s.dirty_bytes,
+        );
         e.histogram(
             stats::OP_LATENCY,
             "Filesystem operation latency.",
@@ -399,7 +476,16 @@ impl Filesystem for KvFs {
         }
     }
 
-    fn mknod(&self, _r: &Request, _p: INodeNo, _n: &OsStr, _m: u32, _u: u32, _d: u32, reply: ReplyEntry) {
+    fn mknod(
+        &self,
+        _r: &Request,
+        _p: INodeNo,
+        _n: &OsStr,
+        _m: u32,
+        _u: u32,
+        _d: u32,
+        reply: ReplyEntry,
+    ) {
         reply.error(Errno::EPERM);
     }
 
@@ -415,7 +501,14 @@ impl Filesystem for KvFs {
         reply.error(Errno::EPERM);
     }
 
-    fn symlink(&self, _r: &Request, _p: INodeNo, _n: &OsStr, _t: &std::path::Path, reply: ReplyEntry) {
+    fn symlink(
+        &self,
+        _r: &Request,
+        _p: INodeNo,
+        _n: &OsStr,
+        _t: &std::path::Path,
+        reply: ReplyEntry,
+    ) {
         reply.error(Errno::EPERM);
     }
 
@@ -451,7 +544,9 @@ impl Filesystem for KvFs {
 
     fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         match self.inodes.node(ino.0) {
-            Some(Node::Group(_)) => reply.opened(self.new_handle(Handle::Group), FopenFlags::FOPEN_KEEP_CACHE),
+            Some(Node::Group(_)) => {
+                reply.opened(self.new_handle(Handle::Group), FopenFlags::FOPEN_KEEP_CACHE)
+            }
             Some(Node::Stats) => {
                 let fh = self.new_handle(Handle::Text(self.render_stats().into_bytes()));
                 reply.opened(fh, FopenFlags::FOPEN_DIRECT_IO)
@@ -461,10 +556,14 @@ impl Filesystem for KvFs {
                 reply.opened(fh, FopenFlags::FOPEN_DIRECT_IO)
             }
             Some(Node::Pid) => {
-                let fh = self.new_handle(Handle::Text(format!("{}\n", std::process::id()).into_bytes()));
+                let fh = self.new_handle(Handle::Text(
+                    format!("{}\n", std::process::id()).into_bytes(),
+                ));
                 reply.opened(fh, FopenFlags::FOPEN_DIRECT_IO)
             }
-            Some(Node::Flush) => reply.opened(self.new_handle(Handle::Group), FopenFlags::FOPEN_DIRECT_IO),
+            Some(Node::Flush) => {
+                reply.opened(self.new_handle(Handle::Group), FopenFlags::FOPEN_DIRECT_IO)
+            }
             Some(_) => reply.error(Errno::EISDIR),
             None => reply.error(Errno::ENOENT),
         }
@@ -583,15 +682,27 @@ impl Filesystem for KvFs {
                 let fh = self.new_handle(Handle::Resident(self.cascade.resident()));
                 reply.opened(fh, FopenFlags::empty())
             }
-            Some(Node::Group(_) | Node::Stats | Node::Layout | Node::Flush | Node::Pid | Node::Resident(_)) => {
-                reply.error(Errno::ENOTDIR)
-            }
+            Some(
+                Node::Group(_)
+                | Node::Stats
+                | Node::Layout
+                | Node::Flush
+                | Node::Pid
+                | Node::Resident(_),
+            ) => reply.error(Errno::ENOTDIR),
             Some(_) => reply.opened(FileHandle(0), FopenFlags::empty()),
             None => reply.error(Errno::ENOENT),
         }
     }
 
-    fn readdir(&self, _req: &Request, ino: INodeNo, fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
         let Some(dir) = self.inodes.node(ino.0) else {
             return reply.error(Errno::ENOENT);
         };
@@ -622,7 +733,14 @@ impl Filesystem for KvFs {
         reply.ok();
     }
 
-    fn releasedir(&self, _r: &Request, _i: INodeNo, fh: FileHandle, _f: OpenFlags, reply: ReplyEmpty) {
+    fn releasedir(
+        &self,
+        _r: &Request,
+        _i: INodeNo,
+        fh: FileHandle,
+        _f: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
         self.handles.lock().remove(&fh.0);
         reply.ok();
     }
@@ -659,7 +777,12 @@ impl Filesystem for KvFs {
         };
         let mut names = Vec::new();
         for n in [XATTR_TIER, XATTR_DIRTY, XATTR_CRC] {
-            if n == XATTR_CRC && matches!(self.cascade.query(g).map(|q| q.residence), Ok(Residence::Empty)) {
+            if n == XATTR_CRC
+                && matches!(
+                    self.cascade.query(g).map(|q| q.residence),
+                    Ok(Residence::Empty)
+                )
+            {
                 continue;
             }
             names.extend_from_slice(n.as_bytes());

@@ -25,7 +25,9 @@ pub const DIRTY_GROUPS: &str = "kvfs_dirty_groups";
 pub const OP_LATENCY: &str = "kvfs_op_latency_seconds";
 
 /// Upper bounds of latency buckets, in microseconds: 1 µs to 1 s, ×~3.
-const BUCKETS_US: [u64; 13] = [1, 3, 10, 30, 100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000];
+const BUCKETS_US: [u64; 13] = [
+    1, 3, 10, 30, 100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000,
+];
 
 /// A lock-free latency histogram.
 pub struct Histogram {
@@ -47,9 +49,13 @@ impl Default for Histogram {
 impl Histogram {
     pub fn observe(&self, d: Duration) {
         let us = d.as_micros() as u64;
-        let i = BUCKETS_US.iter().position(|&b| us <= b).unwrap_or(BUCKETS_US.len());
+        let i = BUCKETS_US
+            .iter()
+            .position(|&b| us <= b)
+            .unwrap_or(BUCKETS_US.len());
         self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        self.sum_ns.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+        self.sum_ns
+            .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -58,7 +64,11 @@ impl Histogram {
         let mut cum = 0;
         for (i, b) in BUCKETS_US.iter().enumerate() {
             cum += self.buckets[i].load(Ordering::Relaxed);
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{}\"}} {cum}", *b as f64 / 1e6);
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels},le=\"{}\"}} {cum}",
+                *b as f64 / 1e6
+            );
         }
         cum += self.buckets[BUCKETS_US.len()].load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {cum}");
@@ -67,7 +77,11 @@ impl Histogram {
             "{name}_sum{{{labels}}} {}",
             self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9
         );
-        let _ = writeln!(out, "{name}_count{{{labels}}} {}", self.count.load(Ordering::Relaxed));
+        let _ = writeln!(
+            out,
+            "{name}_count{{{labels}}} {}",
+            self.count.load(Ordering::Relaxed)
+        );
     }
 }
 
@@ -112,12 +126,10 @@ impl Exposition {
 /// Parses one sample line's value out of an exposition (for `kvfs stat`
 /// and tests): `name{labels} value` with the exact name and label text.
 pub fn find_sample(text: &str, name_and_labels: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (k, v) = l.rsplit_once(' ')?;
-            (k == name_and_labels).then(|| v.parse().ok())?
-        })
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (k, v) = l.rsplit_once(' ')?;
+        (k == name_and_labels).then(|| v.parse().ok())?
+    })
 }
 
 #[cfg(test)]
@@ -134,8 +146,23 @@ mod tests {
         e.histogram(OP_LATENCY, "latency", &[("op=\"read\"", &h)]);
         let t = e.finish();
         assert_eq!(find_sample(&t, HITS), Some(7.0));
-        assert_eq!(find_sample(&t, "kvfs_op_latency_seconds_count{op=\"read\"}"), Some(2.0));
-        assert_eq!(find_sample(&t, "kvfs_op_latency_seconds_bucket{op=\"read\",le=\"0.00001\"}"), Some(1.0));
-        assert_eq!(find_sample(&t, "kvfs_op_latency_seconds_bucket{op=\"read\",le=\"+Inf\"}"), Some(2.0));
+        assert_eq!(
+            find_sample(&t, "kvfs_op_latency_seconds_count{op=\"read\"}"),
+            Some(2.0)
+        );
+        assert_eq!(
+            find_sample(
+                &t,
+                "kvfs_op_latency_seconds_bucket{op=\"read\",le=\"0.00001\"}"
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            find_sample(
+                &t,
+                "kvfs_op_latency_seconds_bucket{op=\"read\",le=\"+Inf\"}"
+            ),
+            Some(2.0)
+        );
     }
 }

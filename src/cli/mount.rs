@@ -1,0 +1,590 @@
+//! `kvfs mount`, `umount`, `stat`, `sync`: the daemon's lifecycle.
+//!
+//! `kvfs mount` without `--foreground` re-executes itself as a detached
+//! daemon and waits on a pipe until the daemon says the mount is ready (exit
+//! 0) or why it could not mount (exit 1, with the daemon's message). The
+//! daemon blocks SIGTERM/SIGINT/SIGHUP in every thread and takes them in one
+//! thread with sigwait: a signal flushes every dirty group, then unmounts.
+//! However the session ends (signal, `kvfs umount`, plain `umount`), the
+//! daemon flushes again before it exits, so nothing written is left behind.
+
+use anyhow::{Context, Result, bail};
+use kvfs::cascade::{BackingConfig, Cascade, CascadeConfig, PolicyKind};
+use kvfs::fs::KvFs;
+use kvfs::geometry::{DEFAULT_BLOCK_TOKENS, Dtype, GroupLayout};
+use kvfs::tier::TierKind;
+use std::fs::File;
+use std::io::{IsTerminal, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Default T1 size: large enough to matter, small enough for any machine
+/// (the memory is only touched as groups are written).
+pub const DEFAULT_T1: &str = "1GiB";
+/// Default model preset for a new backing store.
+pub const DEFAULT_PRESET: &str = "llama-3.1-8b";
+/// Default block count for a new store: 4096 blocks × 16 tokens = 64 Ki tokens.
+pub const DEFAULT_BLOCKS: u64 = 4096;
+
+/// Where a new store goes when `--backing` is not given: /var/lib/kvfs for
+/// root, $XDG_DATA_HOME/kvfs (or ~/.local/share/kvfs) for anyone else.
+pub fn default_backing() -> PathBuf {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return PathBuf::from("/var/lib/kvfs");
+    }
+    if let Some(x) = std::env::var_os("XDG_DATA_HOME") {
+        return PathBuf::from(x).join("kvfs");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into());
+    PathBuf::from(home).join(".local/share/kvfs")
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct MountArgs {
+    /// Where to mount (an existing, empty directory).
+    pub mountpoint: PathBuf,
+    /// Backing store directory (made if absent) [default: /var/lib/kvfs as root, else ~/.local/share/kvfs].
+    #[arg(long)]
+    pub backing: Option<PathBuf>,
+    /// T1 size: host RAM for the write-back cache (64MiB, 1GiB, 4G, bytes).
+    #[arg(long, default_value = DEFAULT_T1)]
+    pub t1: String,
+    /// Backing tier: uring (io_uring, O_DIRECT) or file (pread/pwrite).
+    #[arg(long, default_value = "uring")]
+    pub tier: TierKind,
+    /// io_uring queue depth.
+    #[arg(long, default_value_t = kvfs::tier::DEFAULT_QUEUE_DEPTH)]
+    pub qd: u32,
+    /// Replacement policy for T1: sieve or lru.
+    #[arg(long, default_value = "sieve")]
+    pub policy: PolicyKind,
+    /// Model preset for a new store (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, ...) [default: llama-3.1-8b when no geometry is given].
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// Layers (with the other geometry options, instead of a preset).
+    #[arg(long)]
+    pub layers: Option<u32>,
+    /// KV blocks per layer [default: 4096].
+    #[arg(long)]
+    pub blocks: Option<u64>,
+    /// KV heads.
+    #[arg(long)]
+    pub kv_heads: Option<u32>,
+    /// Tokens per block [default: 16].
+    #[arg(long)]
+    pub block_tokens: Option<u32>,
+    /// Head dimension.
+    #[arg(long)]
+    pub head_dim: Option<u32>,
+    /// Element type: bf16, fp16, fp32 or fp8.
+    #[arg(long)]
+    pub dtype: Option<Dtype>,
+    /// FUSE worker threads [default: number of cores].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Stay in the foreground (logs to stderr) instead of detaching.
+    #[arg(long)]
+    pub foreground: bool,
+    /// Let other users reach the mount (FUSE allow_other).
+    #[arg(long)]
+    pub allow_other: bool,
+    /// Install a group in T1 when a read misses it.
+    #[arg(long)]
+    pub promote_on_miss: bool,
+    /// Internal: the pipe on which a detached daemon reports readiness.
+    #[arg(long, hide = true)]
+    pub ready_fd: Option<i32>,
+}
+
+impl MountArgs {
+    /// The geometry the flags ask for; None when no geometry flag was given
+    /// (an existing store's is used, a new one gets the default preset).
+    fn requested_layout(&self) -> Result<Option<GroupLayout>> {
+        let explicit = self.layers.is_some()
+            || self.kv_heads.is_some()
+            || self.head_dim.is_some()
+            || self.dtype.is_some();
+        let blocks = self.blocks.unwrap_or(DEFAULT_BLOCKS);
+        let bt = self.block_tokens.unwrap_or(DEFAULT_BLOCK_TOKENS);
+        if let Some(p) = &self.preset {
+            if explicit {
+                bail!("give either --preset or --layers/--kv-heads/--head-dim/--dtype, not both");
+            }
+            return Ok(Some(GroupLayout::preset(p, blocks, bt)?));
+        }
+        if explicit {
+            let need = |v: Option<u32>, what: &str| {
+                v.with_context(|| format!("--{what} is needed with the other geometry options"))
+            };
+            return Ok(Some(GroupLayout::new(
+                need(self.layers, "layers")?,
+                blocks,
+                need(self.kv_heads, "kv-heads")?,
+                bt,
+                need(self.head_dim, "head-dim")?,
+                self.dtype.unwrap_or(Dtype::Bf16),
+            )?));
+        }
+        if self.blocks.is_some() || self.block_tokens.is_some() {
+            return Ok(Some(GroupLayout::preset(DEFAULT_PRESET, blocks, bt)?));
+        }
+        Ok(None)
+    }
+}
+
+/// What /proc/self/mountinfo says is mounted at `path`, if anything:
+/// (filesystem type, source). The last entry wins, as the kernel stacks mounts.
+pub fn mount_entry(path: &Path) -> Option<(String, String)> {
+    let canon = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    info.lines().rev().find_map(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        let sep = f.iter().position(|x| *x == "-")?;
+        let mp = f.get(4)?.replace("\\040", " ");
+        (Path::new(&mp) == canon)
+            .then(|| Some((f.get(sep + 1)?.to_string(), f.get(sep + 2)?.to_string())))?
+    })
+}
+
+fn check_mountpoint(mp: &Path) -> Result<()> {
+    match std::fs::metadata(mp) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => bail!("mount point {} is not a directory", mp.display()),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => bail!(
+            "mount point {} holds a dead kvfs mount (its daemon is gone); run `umount -l {}` (or `fusermount3 -uz {}`) and mount again",
+            mp.display(),
+            mp.display(),
+            mp.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            bail!(
+                "mount point {} does not exist (mkdir -p {} first)",
+                mp.display(),
+                mp.display()
+            )
+        }
+        Err(e) => bail!("mount point {}: {e}", mp.display()),
+    }
+    if let Some((t, src)) = mount_entry(mp) {
+        bail!(
+            "mount point {} is busy: {src} ({t}) is mounted there",
+            mp.display()
+        );
+    }
+    if !Path::new("/dev/fuse").exists() {
+        bail!(
+            "/dev/fuse does not exist: load the fuse module (modprobe fuse) or run where FUSE is available"
+        );
+    }
+    Ok(())
+}
+
+pub fn mount(args: MountArgs) -> Result<()> {
+    if args.foreground || args.ready_fd.is_some() {
+        // A daemon reports the outcome on its pipe; a foreground run just returns it.
+        let ready = args.ready_fd.map(|fd| {
+            // SAFETY: the fd was created for us by the parent `kvfs mount`
+            // and is owned by this process alone.
+            unsafe { File::from_raw_fd(fd) }
+        });
+        return run_daemon(args, ready);
+    }
+    check_mountpoint(&args.mountpoint)?;
+    spawn_daemon(&args)
+}
+
+/// Re-executes this binary detached, and waits for it to say ready.
+fn spawn_daemon(args: &MountArgs) -> Result<()> {
+    let backing = args.backing.clone().unwrap_or_else(default_backing);
+    std::fs::create_dir_all(&backing)
+        .with_context(|| format!("cannot create the backing directory {}", backing.display()))?;
+    let log_path = backing.join("kvfs.log");
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("cannot open the log {}", log_path.display()))?;
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two fds into the array we own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("cannot make a pipe");
+    }
+    // SAFETY: both fds were just created and are owned here.
+    let (mut rd, wr) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+    let wr_fd = wr.as_raw_fd();
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    argv.push("--ready-fd".into());
+    argv.push(wr_fd.to_string().into());
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args(&argv)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(log);
+    use std::os::unix::process::CommandExt;
+    // SAFETY: between fork and exec only async-signal-safe calls: setsid
+    // and fcntl to let the pipe's write end survive exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setsid();
+            let fl = libc::fcntl(wr_fd, libc::F_GETFD);
+            libc::fcntl(wr_fd, libc::F_SETFD, fl & !libc::FD_CLOEXEC);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().context("cannot start the kvfs daemon")?;
+    drop(wr);
+    let mut msg = String::new();
+    rd.read_to_string(&mut msg).ok();
+    if msg.starts_with("ok") {
+        println!(
+            "kvfs mounted at {} (backing {}, log {})",
+            args.mountpoint.display(),
+            backing.display(),
+            log_path.display()
+        );
+        return Ok(());
+    }
+    let _ = child.wait();
+    if msg.is_empty() {
+        bail!(
+            "the kvfs daemon exited before the mount was ready; see {}",
+            log_path.display()
+        );
+    }
+    bail!("{}", msg.trim_start_matches("error: ").trim_end())
+}
+
+fn block_signals() -> libc::sigset_t {
+    // SAFETY: plain libc signal-set manipulation on a local set.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGHUP);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+fn run_daemon(args: MountArgs, mut ready: Option<File>) -> Result<()> {
+    let r = serve(&args, &mut ready);
+    if let (Err(e), Some(f)) = (&r, ready.as_mut()) {
+        let _ = writeln!(f, "error: {e:#}");
+    }
+    r
+}
+
+fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
+    check_mountpoint(&args.mountpoint)?;
+    // Before any thread starts, so every thread inherits the mask.
+    let sigs = block_signals();
+    let t1_bytes = kvfs::geometry::parse_size(&args.t1).map_err(anyhow::Error::msg)?;
+    let backing = args.backing.clone().unwrap_or_else(default_backing);
+    let requested = args.requested_layout()?;
+    let fresh = !backing.join("superblock").exists();
+    let layout = match (requested, fresh) {
+        (Some(l), _) => Some(l),
+        (None, true) => Some(GroupLayout::preset(
+            DEFAULT_PRESET,
+            DEFAULT_BLOCKS,
+            DEFAULT_BLOCK_TOKENS,
+        )?),
+        (None, false) => None,
+    };
+    let t = Instant::now();
+    let cascade = Arc::new(Cascade::open(
+        &BackingConfig {
+            dir: backing.clone(),
+            layout,
+            tier: args.tier,
+            queue_depth: args.qd,
+        },
+        CascadeConfig {
+            t1_bytes,
+            policy: args.policy,
+            promote_on_miss: args.promote_on_miss,
+        },
+    )?);
+    tracing::info!(
+        "backing {} ({}), T1 {} slots, opened in {:?}: {}",
+        backing.display(),
+        cascade.tier_name(),
+        cascade.t1_slots(),
+        t.elapsed(),
+        cascade.layout()
+    );
+    // SAFETY: getuid/getgid have no preconditions.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let fs = KvFs::new(cascade.clone(), uid, gid);
+    let mut config = fuser::Config::default();
+    config.mount_options = vec![
+        fuser::MountOption::FSName(format!("{SOURCE_PREFIX}{}", backing.display())),
+        fuser::MountOption::Subtype("kvfs".into()),
+        fuser::MountOption::DefaultPermissions,
+        fuser::MountOption::NoAtime,
+        fuser::MountOption::RW,
+    ];
+    config.acl = if args.allow_other {
+        fuser::SessionACL::All
+    } else {
+        fuser::SessionACL::Owner
+    };
+    config.n_threads = Some(args.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(2)
+    }));
+    config.clone_fd = true;
+    let mut session = fuser::Session::new(fs, &args.mountpoint, &config)
+        .with_context(|| format!("cannot mount at {}", args.mountpoint.display()))?;
+    let mut unmounter = session.unmount_callable();
+    let c2 = cascade.clone();
+    let mp = args.mountpoint.clone();
+    std::thread::Builder::new()
+        .name("kvfs-signals".into())
+        .spawn(move || {
+            let mut sig = 0;
+            // SAFETY: sigwait on the set blocked in every thread.
+            unsafe { libc::sigwait(&sigs, &mut sig) };
+            tracing::info!("signal {sig}: flushing, then unmounting {}", mp.display());
+            if let Err(e) = c2.sync_all() {
+                tracing::error!(
+                    "flush failed: {e}; unmounting anyway, dirty groups stay until exit"
+                );
+            }
+            if let Err(e) = unmounter.unmount() {
+                tracing::error!("unmount of {} failed: {e}", mp.display());
+            }
+        })?;
+    tracing::info!("mounted at {}", args.mountpoint.display());
+    if let Some(mut f) = ready.take() {
+        let _ = f.write_all(b"ok\n");
+    }
+    let r = session.run();
+    let t = Instant::now();
+    let dirty = cascade.stats().dirty_bytes;
+    match cascade.sync_all() {
+        Ok(()) => tracing::info!(
+            "unmounted; flushed {dirty} dirty bytes in {:?}",
+            t.elapsed()
+        ),
+        Err(e) => tracing::error!("unmounted, but the final flush failed: {e}"),
+    }
+    r.context("FUSE session failed")
+}
+
+fn read_kvfs_file(mp: &Path, name: &str) -> Result<String> {
+    let p = mp.join(".kvfs").join(name);
+    std::fs::read_to_string(&p).with_context(|| {
+        format!(
+            "cannot read {} (is {} a kvfs mount?)",
+            p.display(),
+            mp.display()
+        )
+    })
+}
+
+/// The FUSE source name kvfs mounts with: `kvfs:BACKING_DIR`.
+pub const SOURCE_PREFIX: &str = "kvfs:";
+
+fn check_kvfs(mp: &Path) -> Result<()> {
+    match mount_entry(mp) {
+        Some((t, src)) if t.starts_with("fuse") && src.starts_with(SOURCE_PREFIX) => Ok(()),
+        Some((t, src)) => bail!("{} is not a kvfs mount ({src}, {t})", mp.display()),
+        None => bail!("nothing is mounted at {}", mp.display()),
+    }
+}
+
+fn dirty_bytes(mp: &Path) -> Option<u64> {
+    let s = read_kvfs_file(mp, "stats").ok()?;
+    kvfs::stats::find_sample(&s, kvfs::stats::DIRTY_BYTES).map(|v| v as u64)
+}
+
+fn human(b: f64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b;
+    let mut i = 0;
+    while v >= 1024.0 && i < units.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    format!("{v:.1} {}", units[i])
+}
+
+/// Writes back every dirty group through `.kvfs/flush`, showing progress
+/// when it takes over a second.
+pub fn flush(mp: &Path) -> Result<()> {
+    check_kvfs(mp)?;
+    let total = dirty_bytes(mp).unwrap_or(0);
+    let p = mp.join(".kvfs/flush");
+    let worker = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut f = std::fs::OpenOptions::new().write(true).open(&p)?;
+        f.write_all(b"1\n")
+    });
+    let start = Instant::now();
+    let tty = std::io::stderr().is_terminal();
+    let mut last_log = Instant::now();
+    while !worker.is_finished() {
+        std::thread::sleep(Duration::from_millis(200));
+        if start.elapsed() < Duration::from_secs(1) || worker.is_finished() {
+            continue;
+        }
+        let left = dirty_bytes(mp).unwrap_or(0);
+        let done = total.saturating_sub(left) as f64;
+        let rate = done / start.elapsed().as_secs_f64();
+        let eta = if rate > 0.0 {
+            left as f64 / rate
+        } else {
+            f64::INFINITY
+        };
+        let frac = if total > 0 { done / total as f64 } else { 1.0 };
+        if tty {
+            let w = 30;
+            let filled = (frac * w as f64) as usize;
+            eprint!(
+                "\rflushing [{}{}] {} / {}  {}/s  {:.0}s left   ",
+                "#".repeat(filled),
+                "-".repeat(w - filled.min(w)),
+                human(done),
+                human(total as f64),
+                human(rate),
+                eta
+            );
+        } else if last_log.elapsed() >= Duration::from_secs(5) {
+            last_log = Instant::now();
+            eprintln!(
+                "kvfs: flushing {}: {} of {} written back, {}/s, {:.0}s left",
+                mp.display(),
+                human(done),
+                human(total as f64),
+                human(rate),
+                eta
+            );
+        }
+    }
+    if tty && start.elapsed() >= Duration::from_secs(1) {
+        eprintln!();
+    }
+    worker
+        .join()
+        .map_err(|_| anyhow::anyhow!("flush thread panicked"))?
+        .with_context(|| {
+            format!(
+                "flushing {} failed; the mount stays up and nothing was dropped",
+                mp.display()
+            )
+        })
+}
+
+pub fn umount(mp: &Path) -> Result<()> {
+    check_kvfs(mp)?;
+    let pid: i32 = read_kvfs_file(mp, "pid")?
+        .trim()
+        .parse()
+        .context("bad .kvfs/pid")?;
+    flush(mp)?;
+    let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes())?;
+    // SAFETY: umount2 with a valid C string.
+    if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EBUSY) {
+            bail!(
+                "cannot unmount {}: it is busy (a process has a file or directory open there); everything is flushed",
+                mp.display()
+            );
+        }
+        return Err(e).with_context(|| format!("cannot unmount {}", mp.display()));
+    }
+    // Wait for the daemon's final flush and exit.
+    let t = Instant::now();
+    while process_alive(pid) {
+        if t.elapsed() > Duration::from_secs(120) {
+            bail!("unmounted, but the daemon (pid {pid}) has not exited after 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// Whether `pid` still runs (a zombie waiting for its reaper has exited).
+fn process_alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(s) => !matches!(
+            s.rsplit_once(") ").map(|(_, r)| r.as_bytes()[0]),
+            Some(b'Z' | b'X')
+        ),
+        Err(_) => false,
+    }
+}
+
+pub fn stat(mp: &Path) -> Result<()> {
+    check_kvfs(mp)?;
+    let layout: serde_json::Value = serde_json::from_str(&read_kvfs_file(mp, "layout")?)?;
+    let s = read_kvfs_file(mp, "stats")?;
+    let get = |k: &str| kvfs::stats::find_sample(&s, k).unwrap_or(0.0);
+    let (t1h, bh) = (
+        get("kvfs_hits_total{tier=\"t1\"}"),
+        get("kvfs_hits_total{tier=\"backing\"}"),
+    );
+    let reads = t1h + bh + get(kvfs::stats::EMPTY_READS);
+    let ratio = |x: f64| {
+        if reads > 0.0 {
+            format!("{:.1}%", 100.0 * x / reads)
+        } else {
+            "-".into()
+        }
+    };
+    let used = get(kvfs::stats::T1_SLOTS_USED);
+    let total = get(kvfs::stats::T1_SLOTS_TOTAL);
+    println!("kvfs at {}", mp.display());
+    println!(
+        "  geometry   {} layers × {} blocks × {} kv heads × {} tokens × head_dim {} × {}",
+        layout["layers"],
+        layout["blocks"],
+        layout["kv_heads"],
+        layout["block_tokens"],
+        layout["head_dim"],
+        layout["dtype"].as_str().unwrap_or("?")
+    );
+    println!(
+        "  groups     {} of {} bytes",
+        layout["groups"], layout["group_bytes"]
+    );
+    println!(
+        "  T1         {} ({} slots), {} used ({:.1}%)",
+        human(layout["t1_bytes"].as_f64().unwrap_or(0.0)),
+        total,
+        used,
+        if total > 0.0 {
+            100.0 * used / total
+        } else {
+            0.0
+        }
+    );
+    println!("  dirty      {}", human(get(kvfs::stats::DIRTY_BYTES)));
+    println!(
+        "  backing    {} ({})",
+        layout["tier"].as_str().unwrap_or("?"),
+        layout["policy"].as_str().unwrap_or("?")
+    );
+    println!(
+        "  reads      {reads}: T1 {} ({}), backing {} ({}), never written {}",
+        t1h,
+        ratio(t1h),
+        bh,
+        ratio(bh),
+        get(kvfs::stats::EMPTY_READS)
+    );
+    println!(
+        "  evictions  {}, write-backs {}, checksum failures {}",
+        get(kvfs::stats::EVICTIONS),
+        get(kvfs::stats::FLUSHES),
+        get(kvfs::stats::CHECKSUM_FAILURES)
+    );
+    Ok(())
+}
