@@ -456,13 +456,19 @@ impl Filesystem for KvFs {
         if mode.is_some() || uid.is_some() || gid.is_some() {
             return reply.error(Errno::EPERM);
         }
+        let gb = self.cascade.layout().group_bytes();
         match (n, size) {
-            // Groups have a fixed size: truncating to it (O_TRUNC opens
-            // become this) leaves the bytes as they are; any other size is refused.
-            (Node::Group(_), Some(s)) if s == self.cascade.layout().group_bytes() => {}
-            (Node::Group(_), Some(s)) if s > self.cascade.layout().group_bytes() => {
-                return reply.error(Errno::EFBIG);
+            // Groups keep their size. Truncating to `s` zeroes the bytes from
+            // `s` on, as truncate-then-extend would on a plain file; so
+            // `echo x > group` (an O_TRUNC open) leaves x and then zeros.
+            (Node::Group(g), Some(s)) if s <= gb => {
+                if s < gb
+                    && let Err(e) = self.cascade.write(g, s, &vec![0u8; (gb - s) as usize])
+                {
+                    return reply.error(errno(&e));
+                }
             }
+            (Node::Group(_), Some(_)) => return reply.error(Errno::EFBIG),
             (_, Some(_)) => return reply.error(Errno::EPERM),
             _ => {}
         }
