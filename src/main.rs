@@ -52,6 +52,27 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// 4 KiB random reads of T1-resident group files through a kvfs mount,
+    /// next to tmpfs and a bare fuser filesystem holding the same bytes, cold
+    /// (O_DIRECT) and repeated (cached), with 1 and 2 readers. Needs root (or
+    /// FUSE mount rights) and /dev/fuse.
+    Fuse {
+        /// Scratch directory for the backing store and the mount points.
+        #[arg(long, default_value = "/var/tmp")]
+        dir: PathBuf,
+        /// A tmpfs directory for the baseline files.
+        #[arg(long, default_value = "/dev/shm")]
+        tmpfs: PathBuf,
+        /// Group files to read at random (all T1-resident).
+        #[arg(long, default_value_t = 1024)]
+        groups: u64,
+        /// Seconds for each measurement.
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// FUSE serving threads [default: number of cores].
+        #[arg(long)]
+        threads: Option<usize>,
+    },
     /// Random group reads through a backing tier, next to fio on the same file
     /// (same block size, queue depth and O_DIRECT setting).
     Backing {
@@ -108,6 +129,25 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Stat { mountpoint } => cli::mount::stat(&mountpoint)?,
         Cmd::Sync { mountpoint } => cli::mount::flush(&mountpoint)?,
         Cmd::Bench { what } => match what {
+            BenchCmd::Fuse {
+                dir,
+                tmpfs,
+                groups,
+                seconds,
+                threads,
+            } => {
+                kvfs::bench::fuse::run(&kvfs::bench::fuse::FuseBench {
+                    dir,
+                    tmpfs,
+                    groups,
+                    seconds,
+                    threads: threads.unwrap_or_else(|| {
+                        std::thread::available_parallelism()
+                            .map(|n| n.get())
+                            .unwrap_or(2)
+                    }),
+                })?;
+            }
             BenchCmd::Backing {
                 dir,
                 tier,

@@ -565,3 +565,40 @@ fn forty_million_groups_mount_at_once() {
     fs::write(m.p("L79/B31249/H7/V"), pattern(9, 4096)).unwrap();
     assert_eq!(fs::read(m.p("L79/B31249/H7/V")).unwrap(), pattern(9, 4096));
 }
+
+#[test]
+fn fuse_bench_prints_figures_and_baselines() {
+    if !can_mount() || !Path::new("/dev/shm").exists() {
+        return;
+    }
+    let out = kvfs()
+        .args([
+            "bench",
+            "fuse",
+            "--groups",
+            "64",
+            "--seconds",
+            "0.2",
+            "--dir",
+            env!("CARGO_TARGET_TMPDIR"),
+        ])
+        .output()
+        .unwrap();
+    let t = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{t}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "cold (O_DIRECT)",
+        "repeated (cached",
+        "1 reader",
+        "2 readers",
+        "tmpfs",
+        "bare fuser",
+        "kvfs/bare",
+    ] {
+        assert!(t.contains(want), "{want} missing:\n{t}");
+    }
+}

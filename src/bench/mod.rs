@@ -5,6 +5,7 @@
 //! file, same block size, same queue depth.
 
 pub mod backing;
+pub mod fuse;
 
 /// splitmix64: a fast, seedable generator for random offsets; benches need
 /// speed and repeatability, not cryptographic quality.

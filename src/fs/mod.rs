@@ -13,8 +13,10 @@
 //! (kernel writes keep their page cache coherent themselves), so repeat
 //! reads of an unchanged group can be served from the kernel's cache.
 
+mod bare;
 mod inode;
 
+pub use bare::BareFs;
 pub use inode::{Inodes, KVFS_FILES, Node};
 
 use crate::cascade::{Cascade, CascadeError, Residence};
@@ -41,6 +43,34 @@ const ATTR_TTL: Duration = Duration::from_secs(1);
 const XATTR_TIER: &str = "user.kvfs.tier";
 const XATTR_DIRTY: &str = "user.kvfs.dirty";
 const XATTR_CRC: &str = "user.kvfs.crc32c";
+
+/// A filesystem mounted by this process, served by background threads;
+/// dropping it unmounts.
+pub struct BackgroundMount(fuser::BackgroundSession);
+
+impl BackgroundMount {
+    /// Unmounts and waits for the serving threads.
+    pub fn unmount(self) -> std::io::Result<()> {
+        self.0.umount_and_join()
+    }
+}
+
+/// Mounts `fs` at `mountpoint` with `threads` serving threads (each with its
+/// own /dev/fuse fd), in the background.
+pub fn mount_background<F: Filesystem>(
+    fs: F,
+    mountpoint: &std::path::Path,
+    threads: usize,
+) -> std::io::Result<BackgroundMount> {
+    let mut config = fuser::Config::default();
+    config.mount_options = vec![
+        fuser::MountOption::FSName("kvfs-bench".into()),
+        fuser::MountOption::NoAtime,
+    ];
+    config.n_threads = Some(threads.max(1));
+    config.clone_fd = true;
+    fuser::spawn_mount(fs, mountpoint, &config).map(BackgroundMount)
+}
 
 /// The one errno boundary: every error kvfs can raise, mapped.
 pub fn errno(e: &CascadeError) -> Errno {
