@@ -602,3 +602,51 @@ fn fuse_bench_prints_figures_and_baselines() {
         assert!(t.contains(want), "{want} missing:\n{t}");
     }
 }
+
+#[test]
+fn mount_helper_takes_fstab_options() {
+    if !can_mount() {
+        return;
+    }
+    let mp = tempfile::tempdir().unwrap();
+    let b = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let helper = concat!(env!("CARGO_MANIFEST_DIR"), "/mount/mount.kvfs");
+    let run = |opts: &str| {
+        Command::new(helper)
+            .arg(b.path())
+            .arg(mp.path())
+            .args(["-o", opts])
+            .env("KVFS_BIN", env!("CARGO_BIN_EXE_kvfs"))
+            .output()
+            .unwrap()
+    };
+    let out = run(
+        "t1=64KiB,layers=2,blocks=4,kv_heads=1,head_dim=64,dtype=fp16,policy=lru,noatime,nofail,_netdev",
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let layout: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(mp.path().join(".kvfs/layout")).unwrap()).unwrap();
+    assert_eq!(
+        (layout["layers"].as_u64(), layout["blocks"].as_u64()),
+        (Some(2), Some(4))
+    );
+    assert_eq!(layout["policy"], "lru");
+    assert_eq!(layout["t1_slots"], 16);
+    assert!(
+        kvfs()
+            .arg("umount")
+            .arg(mp.path())
+            .status()
+            .unwrap()
+            .success()
+    );
+    let out = run("t1=64KiB,bogus=1");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown option bogus=1"));
+    let out = run("t1");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs a value"));
+}
