@@ -328,33 +328,9 @@ fn corrupt_memory_tier_group_counts() {
     let layout = small_layout();
     let gb = layout.group_bytes() as usize;
     let tier = Arc::new(MemTier::new(layout));
-    struct Shared(Arc<MemTier>);
-    impl kvfs::tier::Tier for Shared {
-        fn name(&self) -> &'static str {
-            "mem"
-        }
-        fn layout(&self) -> &GroupLayout {
-            self.0.layout()
-        }
-        fn read_batch(
-            &self,
-            ops: &mut [kvfs::tier::ReadOp<'_>],
-        ) -> Vec<Result<(), kvfs::tier::TierError>> {
-            self.0.read_batch(ops)
-        }
-        fn write_batch(
-            &self,
-            ops: &[kvfs::tier::WriteOp<'_>],
-        ) -> Vec<Result<(), kvfs::tier::TierError>> {
-            self.0.write_batch(ops)
-        }
-        fn sync(&self) -> Result<(), kvfs::tier::TierError> {
-            self.0.sync()
-        }
-    }
     let c = Cascade::new(
         layout,
-        Box::new(Shared(tier.clone())),
+        Box::new(tier.clone()),
         MetaTable::anonymous(32).unwrap(),
         cfg(1, &layout, PolicyKind::Lru, false),
     )

@@ -551,9 +551,7 @@ impl Cascade {
             st.policy.remove(v);
             self.counters.evictions.fetch_add(1, Ordering::Relaxed);
             if st.map.contains_key(&g) {
-                self.tags[v.0 as usize].store(NO_GROUP, Ordering::Release);
-                st.slot_state[v.0 as usize] = SlotState::Free;
-                st.free.push(v);
+                self.free_slot(&mut st, v);
                 drop(guard);
                 drop(st);
                 drop(pin);
@@ -573,6 +571,14 @@ impl Cascade {
         st.policy.insert(s);
     }
 
+    /// Puts `s`, unmapped and untracked, on the free list; the caller holds
+    /// its write lock.
+    fn free_slot(&self, st: &mut State, s: SlotId) {
+        self.tags[s.0 as usize].store(NO_GROUP, Ordering::Release);
+        st.slot_state[s.0 as usize] = SlotState::Free;
+        st.free.push(s);
+    }
+
     /// Pins `s`; the caller holds the state lock (pins are only added under it).
     fn pin_now(&self, s: SlotId) -> Pin<'_> {
         self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
@@ -585,9 +591,7 @@ impl Cascade {
         let mut st = self.state.lock();
         st.map.remove(&g);
         st.policy.remove(s);
-        self.tags[s.0 as usize].store(NO_GROUP, Ordering::Release);
-        st.slot_state[s.0 as usize] = SlotState::Free;
-        st.free.push(s);
+        self.free_slot(&mut st, s);
         drop(st);
         drop(guard);
         drop(pin);

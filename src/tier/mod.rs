@@ -122,6 +122,25 @@ pub trait Tier: Send + Sync {
     }
 }
 
+/// A shared tier is a tier (tests keep a handle to a tier a cascade owns).
+impl<T: Tier + ?Sized> Tier for std::sync::Arc<T> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn layout(&self) -> &GroupLayout {
+        (**self).layout()
+    }
+    fn read_batch(&self, ops: &mut [ReadOp<'_>]) -> Vec<Result<(), TierError>> {
+        (**self).read_batch(ops)
+    }
+    fn write_batch(&self, ops: &[WriteOp<'_>]) -> Vec<Result<(), TierError>> {
+        (**self).write_batch(ops)
+    }
+    fn sync(&self) -> Result<(), TierError> {
+        (**self).sync()
+    }
+}
+
 /// Checks an op's index and buffer against the layout; every tier calls it
 /// before touching the backing so a bad request never reaches the kernel.
 pub(crate) fn check_op(
