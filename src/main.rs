@@ -72,6 +72,9 @@ enum BenchCmd {
         /// FUSE serving threads [default: number of cores].
         #[arg(long)]
         threads: Option<usize>,
+        /// Rounds, alternating the order of the three; means are printed.
+        #[arg(long, default_value_t = 2)]
+        rounds: u32,
     },
     /// Random group reads through a backing tier, next to fio on the same file
     /// (same block size, queue depth and O_DIRECT setting).
@@ -135,12 +138,14 @@ fn run(cli: Cli) -> Result<()> {
                 groups,
                 seconds,
                 threads,
+                rounds,
             } => {
                 kvfs::bench::fuse::run(&kvfs::bench::fuse::FuseBench {
                     dir,
                     tmpfs,
                     groups,
                     seconds,
+                    rounds,
                     threads: threads.unwrap_or_else(|| {
                         std::thread::available_parallelism()
                             .map(|n| n.get())

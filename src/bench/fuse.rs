@@ -28,6 +28,9 @@ pub struct FuseBench {
     pub seconds: f64,
     /// FUSE serving threads for kvfs and the bare filesystem alike.
     pub threads: usize,
+    /// Rounds, alternating the order of tmpfs, bare and kvfs so machine
+    /// noise that drifts over the run favours none; figures are means.
+    pub rounds: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -209,18 +212,41 @@ pub fn run(b: &FuseBench) -> anyhow::Result<FuseResult> {
         }
     }
     println!(
-        "fuse bench: {} T1-resident groups of 4 KiB, random 4 KiB preads, {} s a cell, {} FUSE threads",
-        b.groups, b.seconds, b.threads
+        "fuse bench: {} T1-resident groups of 4 KiB, random 4 KiB preads, {} s a cell, {} FUSE threads, mean of {} rounds",
+        b.groups,
+        b.seconds,
+        b.threads,
+        b.rounds.max(1)
     );
-    let mut r = FuseResult::default();
-    for (mi, mode) in [Mode::Cold, Mode::Repeated].into_iter().enumerate() {
-        let (t, direct) = measure(&tmpfs_paths, mode, b.seconds)?;
-        r.tmpfs[mi] = t;
-        if mode == Mode::Cold {
-            r.tmpfs_direct = direct;
+    let mut r = FuseResult {
+        tmpfs_direct: true,
+        ..FuseResult::default()
+    };
+    let rounds = b.rounds.max(1);
+    let add = |acc: &mut [f64; 2], v: [f64; 2]| {
+        acc[0] += v[0] / rounds as f64;
+        acc[1] += v[1] / rounds as f64;
+    };
+    for round in 0..rounds {
+        for (mi, mode) in [Mode::Cold, Mode::Repeated].into_iter().enumerate() {
+            let mut order = [0, 1, 2];
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            for which in order {
+                match which {
+                    0 => {
+                        let (t, direct) = measure(&tmpfs_paths, mode, b.seconds)?;
+                        add(&mut r.tmpfs[mi], t);
+                        if mode == Mode::Cold {
+                            r.tmpfs_direct &= direct;
+                        }
+                    }
+                    1 => add(&mut r.bare[mi], measure(&bare_paths, mode, b.seconds)?.0),
+                    _ => add(&mut r.kvfs[mi], measure(&kvfs_paths, mode, b.seconds)?.0),
+                }
+            }
         }
-        r.bare[mi] = measure(&bare_paths, mode, b.seconds)?.0;
-        r.kvfs[mi] = measure(&kvfs_paths, mode, b.seconds)?.0;
     }
     drop(kv.unmount());
     drop(bare.unmount());

@@ -33,6 +33,7 @@ use crate::gpu::HostBuf;
 use crate::tier::{Tier, TierError, WriteOp};
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock, RwLockWriteGuard};
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -173,6 +174,29 @@ pub struct CascadeStats {
     pub dirty_bytes: u64,
 }
 
+/// Hashes a group index with one multiply (Fibonacci hashing): the map is
+/// probed on every read and write under the state lock, and group indices
+/// are not attacker-chosen in a way that could hurt more than one client's
+/// own cache, so SipHash's cost buys nothing here.
+#[derive(Default)]
+struct IndexHasher(u64);
+
+impl Hasher for IndexHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (v ^ (v >> 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum SlotState {
     Free,
@@ -183,7 +207,7 @@ enum SlotState {
 }
 
 struct State {
-    map: HashMap<GroupIndex, SlotId>,
+    map: HashMap<GroupIndex, SlotId, BuildHasherDefault<IndexHasher>>,
     slot_state: Vec<SlotState>,
     free: Vec<SlotId>,
     policy: Box<dyn Policy>,
@@ -277,7 +301,7 @@ impl Cascade {
             tags: (0..n_slots).map(|_| AtomicU64::new(NO_GROUP)).collect(),
             dirty: (0..n_slots).map(|_| AtomicBool::new(false)).collect(),
             state: Mutex::new(State {
-                map: HashMap::new(),
+                map: HashMap::default(),
                 slot_state: vec![SlotState::Free; n_slots as usize],
                 // Reversed so slot 0 is used first.
                 free: (0..n_slots).rev().map(SlotId).collect(),

@@ -35,6 +35,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
+thread_local! {
+    /// Each FUSE thread's read buffer, reused so a read allocates nothing.
+    static READ_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Names never change meaning, so the kernel may cache lookups for long.
 const ENTRY_TTL: Duration = Duration::from_secs(3600);
 /// Attributes (blocks, for `du`) change as groups are written; short.
@@ -624,11 +629,15 @@ impl Filesystem for KvFs {
                     return reply.data(&[]);
                 }
                 let len = (size as u64).min(gb - offset) as usize;
-                let mut buf = vec![0u8; len];
-                match self.cascade.read(g, offset, &mut buf) {
-                    Ok(_) => reply.data(&buf),
-                    Err(e) => reply.error(errno(&e)),
-                }
+                READ_BUF.with_borrow_mut(|buf| {
+                    if buf.len() < len {
+                        buf.resize(len, 0);
+                    }
+                    match self.cascade.read(g, offset, &mut buf[..len]) {
+                        Ok(_) => reply.data(&buf[..len]),
+                        Err(e) => reply.error(errno(&e)),
+                    }
+                });
                 self.lat.read.observe(t.elapsed());
             }
             Some(_) => {
