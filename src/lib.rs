@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod cascade;
+pub mod control;
 pub mod fs;
 pub mod geometry;
 pub mod gpu;

@@ -88,6 +88,29 @@ pub enum CascadeError {
     },
 }
 
+impl CascadeError {
+    /// The errno this error means, at every boundary that speaks errno (the
+    /// FUSE replies in `fs`, completion records of the control file).
+    pub fn errno(&self) -> i32 {
+        match self {
+            CascadeError::Tier(t) => match t {
+                TierError::Io { source, .. } | TierError::Sync(source) => {
+                    source.raw_os_error().unwrap_or(libc::EIO)
+                }
+                TierError::Short { .. } => libc::EIO,
+                TierError::OutOfRange { .. } => libc::EINVAL,
+                TierError::BadBuffer { .. } => libc::EINVAL,
+            },
+            CascadeError::Checksum { .. } => libc::EIO,
+            CascadeError::OutOfBounds { .. } => libc::EFBIG,
+            CascadeError::OutOfRange(_) => libc::ENOENT,
+            CascadeError::MetaSync(source) => source.raw_os_error().unwrap_or(libc::EIO),
+            CascadeError::T1TooSmall { .. } => libc::EINVAL,
+            CascadeError::Alloc { .. } => libc::ENOMEM,
+        }
+    }
+}
+
 /// Where a group's current bytes are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Residence {
@@ -678,6 +701,136 @@ impl Cascade {
             self.give_staging(buf);
             return Ok(res);
         }
+    }
+
+    /// Reads whole groups (each `out` is `group_bytes` long, or shorter for
+    /// a prefix). Hits copy straight out of their slots; the misses go to the
+    /// backing together, in batches through the tier's queue depth. One
+    /// result per item, in order; a failed item does not stop the others.
+    pub fn read_groups(
+        &self,
+        items: &mut [(GroupIndex, &mut [u8])],
+    ) -> Vec<Result<Residence, CascadeError>> {
+        let mut results: Vec<Option<Result<Residence, CascadeError>>> =
+            (0..items.len()).map(|_| None).collect();
+        let mut misses = Vec::new();
+        for (i, (g, out)) in items.iter_mut().enumerate() {
+            if let Err(e) = self
+                .check_index(*g)
+                .and_then(|_| self.check_range(0, out.len()))
+            {
+                results[i] = Some(Err(e));
+                continue;
+            }
+            match self.pin_resident(*g, true) {
+                Some(pin) => {
+                    let _r = self.slot_locks[pin.slot.0 as usize].read();
+                    if !self.holds(pin.slot, *g) {
+                        misses.push(i);
+                        continue;
+                    }
+                    // SAFETY: we hold the slot's read lock.
+                    let bytes = unsafe { self.slot_bytes(pin.slot) };
+                    out.copy_from_slice(&bytes[..out.len()]);
+                    self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                    self.counters
+                        .t1_read_bytes
+                        .fetch_add(out.len() as u64, Ordering::Relaxed);
+                    results[i] = Some(Ok(Residence::T1));
+                }
+                None => misses.push(i),
+            }
+        }
+        let stride = self.layout.stride() as usize;
+        for chunk in misses.chunks(SYNC_BATCH) {
+            let mut staging = match HostBuf::alloc(stride * chunk.len()) {
+                Ok(b) => b,
+                Err(source) => {
+                    for &i in chunk {
+                        results[i] = Some(Err(CascadeError::Alloc {
+                            bytes: (stride * chunk.len()) as u64,
+                            source: io::Error::new(source.kind(), source.to_string()),
+                        }));
+                    }
+                    continue;
+                }
+            };
+            // Stripes in order (as sync_all takes them), so no deadlock.
+            let mut stripe_ids: Vec<usize> = chunk
+                .iter()
+                .map(|&i| (items[i].0.0 % STRIPES as u64) as usize)
+                .collect();
+            stripe_ids.sort_unstable();
+            stripe_ids.dedup();
+            let mut retry = Vec::new();
+            {
+                let _io: Vec<_> = stripe_ids.iter().map(|&s| self.stripes[s].lock()).collect();
+                let mut to_read = Vec::new();
+                {
+                    let st = self.state.lock();
+                    for (k, &i) in chunk.iter().enumerate() {
+                        let g = items[i].0;
+                        if st.map.contains_key(&g) {
+                            retry.push(i); // installed meanwhile: T1 is newer
+                        } else if !self.meta.get(g.0).written {
+                            items[i].1.fill(0);
+                            self.counters.empty_reads.fetch_add(1, Ordering::Relaxed);
+                            results[i] = Some(Ok(Residence::Empty));
+                        } else {
+                            to_read.push((k, i));
+                        }
+                    }
+                }
+                let bufs = staging.as_mut_slice().chunks_mut(stride);
+                let mut by_k: Vec<Option<&mut [u8]>> = bufs.map(Some).collect();
+                let mut ops: Vec<crate::tier::ReadOp<'_>> = to_read
+                    .iter()
+                    .map(|&(k, i)| crate::tier::ReadOp {
+                        index: items[i].0,
+                        buf: by_k[k].take().expect("one buffer per miss"),
+                    })
+                    .collect();
+                let rs = self.tier.read_batch(&mut ops);
+                for ((op, r), &(_, i)) in ops.iter().zip(rs).zip(&to_read) {
+                    let g = items[i].0;
+                    results[i] = Some(match r {
+                        Err(e) => Err(e.into()),
+                        Ok(()) => {
+                            self.counters
+                                .backing_read_bytes
+                                .fetch_add(stride as u64, Ordering::Relaxed);
+                            let m = self.meta.get(g.0);
+                            let computed =
+                                crc32c::crc32c(&op.buf[..self.layout.group_bytes() as usize]);
+                            if computed != m.crc {
+                                self.counters
+                                    .checksum_failures
+                                    .fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!(group = %g, "checksum mismatch on backing read");
+                                Err(CascadeError::Checksum {
+                                    index: g,
+                                    stored: m.crc,
+                                    computed,
+                                })
+                            } else {
+                                let out = &mut *items[i].1;
+                                out.copy_from_slice(&op.buf[..out.len()]);
+                                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                                Ok(Residence::Backing)
+                            }
+                        }
+                    });
+                }
+            }
+            for i in retry {
+                let (g, out) = &mut items[i];
+                results[i] = Some(self.read(*g, 0, out));
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.expect("every item answered"))
+            .collect()
     }
 
     /// Installs bytes just read from the backing, unless the group changed.

@@ -10,7 +10,7 @@
 
 use anyhow::{Context, Result, bail};
 use kvfs::cascade::{BackingConfig, Cascade, CascadeConfig, PolicyKind};
-use kvfs::fs::KvFs;
+use kvfs::fs::{KvFs, MountOptions};
 use kvfs::geometry::{DEFAULT_BLOCK_TOKENS, Dtype, GroupLayout};
 use kvfs::tier::TierKind;
 use std::fs::File;
@@ -320,28 +320,19 @@ fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
     // SAFETY: getuid/getgid have no preconditions.
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
     let fs = KvFs::new(cascade.clone(), uid, gid);
-    let mut config = fuser::Config::default();
-    config.mount_options = vec![
-        fuser::MountOption::FSName(format!("{SOURCE_PREFIX}{}", backing.display())),
-        fuser::MountOption::Subtype("kvfs".into()),
-        fuser::MountOption::DefaultPermissions,
-        fuser::MountOption::NoAtime,
-        fuser::MountOption::RW,
-    ];
-    config.acl = if args.allow_other {
-        fuser::SessionACL::All
-    } else {
-        fuser::SessionACL::Owner
+    let opts = MountOptions {
+        source: format!("{SOURCE_PREFIX}{}", backing.display()),
+        threads: args.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(2)
+        }),
+        allow_other: args.allow_other,
     };
-    config.n_threads = Some(args.threads.unwrap_or_else(|| {
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(2)
-    }));
-    config.clone_fd = true;
-    let mut session = fuser::Session::new(fs, &args.mountpoint, &config)
+    let mut session = fs
+        .mount(&args.mountpoint, &opts)
         .with_context(|| format!("cannot mount at {}", args.mountpoint.display()))?;
-    let mut unmounter = session.unmount_callable();
+    let mut unmount = session.unmounter();
     let c2 = cascade.clone();
     let mp = args.mountpoint.clone();
     std::thread::Builder::new()
@@ -356,7 +347,7 @@ fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
                     "flush failed: {e}; unmounting anyway, dirty groups stay until exit"
                 );
             }
-            if let Err(e) = unmounter.unmount() {
+            if let Err(e) = unmount() {
                 tracing::error!("unmount of {} failed: {e}", mp.display());
             }
         })?;

@@ -15,6 +15,7 @@ pub const LAYOUT: u64 = 4;
 pub const RESIDENT_DIR: u64 = 5;
 pub const FLUSH: u64 = 6;
 pub const PID: u64 = 7;
+pub const CONTROL: u64 = 8;
 /// First inode of the computed ranges; room below for more fixed files.
 pub const FIRST_DYNAMIC: u64 = 64;
 
@@ -28,6 +29,7 @@ pub enum Node {
     ResidentDir,
     Flush,
     Pid,
+    Control,
     Layer(u32),
     Block(u32, u64),
     Head(u32, u64, u32),
@@ -42,6 +44,7 @@ pub const KVFS_FILES: &[(&str, u64)] = &[
     ("resident", RESIDENT_DIR),
     ("flush", FLUSH),
     ("pid", PID),
+    ("control", CONTROL),
 ];
 
 pub struct Inodes {
@@ -83,6 +86,7 @@ impl Inodes {
             Node::ResidentDir => RESIDENT_DIR,
             Node::Flush => FLUSH,
             Node::Pid => PID,
+            Node::Control => CONTROL,
             Node::Layer(x) => FIRST_DYNAMIC + x as u64,
             Node::Block(x, b) => self.block_base + x as u64 * l.blocks + b,
             Node::Head(x, b, h) => {
@@ -103,6 +107,7 @@ impl Inodes {
             RESIDENT_DIR => Node::ResidentDir,
             FLUSH => Node::Flush,
             PID => Node::Pid,
+            CONTROL => Node::Control,
             i if i < FIRST_DYNAMIC || i >= self.end => return None,
             i if i < self.block_base => Node::Layer((i - FIRST_DYNAMIC) as u32),
             i if i < self.head_base => {

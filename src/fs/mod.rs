@@ -20,9 +20,9 @@ pub use bare::BareFs;
 pub use inode::{Inodes, KVFS_FILES, Node};
 
 use crate::cascade::{Cascade, CascadeError, Residence};
+use crate::control::{Control, Session, wire};
 use crate::geometry::{GroupIndex, GroupKey, Kind, parse_group_name};
 use crate::stats::{self, Exposition, Histogram};
-use crate::tier::TierError;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner,
     OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen,
@@ -48,6 +48,30 @@ const ATTR_TTL: Duration = Duration::from_secs(1);
 const XATTR_TIER: &str = "user.kvfs.tier";
 const XATTR_DIRTY: &str = "user.kvfs.dirty";
 const XATTR_CRC: &str = "user.kvfs.crc32c";
+
+/// How to mount kvfs.
+pub struct MountOptions {
+    /// The source shown in /proc/mounts.
+    pub source: String,
+    pub threads: usize,
+    pub allow_other: bool,
+}
+
+/// A mounted kvfs, not yet served.
+pub struct Mounted(fuser::Session<KvFs>);
+
+impl Mounted {
+    /// A handle that unmounts from another thread (signal handling).
+    pub fn unmounter(&mut self) -> impl FnMut() -> std::io::Result<()> + Send + 'static {
+        let mut u = self.0.unmount_callable();
+        move || u.unmount()
+    }
+
+    /// Serves requests until the filesystem is unmounted.
+    pub fn run(self) -> std::io::Result<()> {
+        self.0.run()
+    }
+}
 
 /// A filesystem mounted by this process, served by background threads;
 /// dropping it unmounts.
@@ -77,28 +101,10 @@ pub fn mount_background<F: Filesystem>(
     fuser::spawn_mount(fs, mountpoint, &config).map(BackgroundMount)
 }
 
-/// The one errno boundary: every error kvfs can raise, mapped.
+/// The errno boundary of FUSE replies: the mapping itself is
+/// `CascadeError::errno`, exhaustive, shared with the control file.
 pub fn errno(e: &CascadeError) -> Errno {
-    match e {
-        CascadeError::Tier(t) => match t {
-            TierError::Io { source, .. } | TierError::Sync(source) => source
-                .raw_os_error()
-                .map(Errno::from_i32)
-                .unwrap_or(Errno::EIO),
-            TierError::Short { .. } => Errno::EIO,
-            TierError::OutOfRange { .. } => Errno::EINVAL,
-            TierError::BadBuffer { .. } => Errno::EINVAL,
-        },
-        CascadeError::Checksum { .. } => Errno::EIO,
-        CascadeError::OutOfBounds { .. } => Errno::EFBIG,
-        CascadeError::OutOfRange(_) => Errno::ENOENT,
-        CascadeError::MetaSync(source) => source
-            .raw_os_error()
-            .map(Errno::from_i32)
-            .unwrap_or(Errno::EIO),
-        CascadeError::T1TooSmall { .. } => Errno::EINVAL,
-        CascadeError::Alloc { .. } => Errno::ENOMEM,
-    }
+    Errno::from_i32(e.errno())
 }
 
 /// What an open file handle carries.
@@ -110,6 +116,8 @@ enum Handle {
     Text(Vec<u8>),
     /// The resident directory, listed once at opendir for stable offsets.
     Resident(Vec<GroupIndex>),
+    /// A control-file session.
+    Control(Arc<Session>),
 }
 
 #[derive(Default)]
@@ -122,6 +130,7 @@ struct Latencies {
 
 pub struct KvFs {
     cascade: Arc<Cascade>,
+    control: Arc<Control>,
     inodes: Inodes,
     uid: u32,
     gid: u32,
@@ -136,6 +145,7 @@ impl KvFs {
     pub fn new(cascade: Arc<Cascade>, uid: u32, gid: u32) -> KvFs {
         let inodes = Inodes::new(*cascade.layout());
         KvFs {
+            control: Control::new(cascade.clone()),
             cascade,
             inodes,
             uid,
@@ -152,6 +162,39 @@ impl KvFs {
         &self.cascade
     }
 
+    /// Mounts this filesystem at `mountpoint`; the returned session is
+    /// served by `run`. Groups changed through the control file have their
+    /// kernel-cached pages dropped through the session's notifier.
+    pub fn mount(
+        self,
+        mountpoint: &std::path::Path,
+        opts: &MountOptions,
+    ) -> std::io::Result<Mounted> {
+        let mut config = fuser::Config::default();
+        config.mount_options = vec![
+            fuser::MountOption::FSName(opts.source.clone()),
+            fuser::MountOption::Subtype("kvfs".into()),
+            fuser::MountOption::DefaultPermissions,
+            fuser::MountOption::NoAtime,
+            fuser::MountOption::RW,
+        ];
+        config.acl = if opts.allow_other {
+            fuser::SessionACL::All
+        } else {
+            fuser::SessionACL::Owner
+        };
+        config.n_threads = Some(opts.threads.max(1));
+        config.clone_fd = true;
+        let control = self.control.clone();
+        let inodes = Inodes::new(*self.cascade.layout());
+        let session = fuser::Session::new(self, mountpoint, &config)?;
+        let notifier = session.notifier();
+        control.set_change_hook(Box::new(move |g| {
+            let _ = notifier.inval_inode(INodeNo(inodes.ino(Node::Group(g))), 0, 0);
+        }));
+        Ok(Mounted(session))
+    }
+
     fn attr(&self, node: Node) -> FileAttr {
         let (kind, perm, size, nlink) = match node {
             Node::Root | Node::KvfsDir | Node::ResidentDir => (FileType::Directory, 0o755, 0, 2),
@@ -164,6 +207,7 @@ impl KvFs {
             ),
             Node::Stats | Node::Layout | Node::Pid => (FileType::RegularFile, 0o444, 0, 1),
             Node::Flush => (FileType::RegularFile, 0o200, 0, 1),
+            Node::Control => (FileType::RegularFile, 0o600, 0, 1),
             Node::Resident(g) => (
                 FileType::Symlink,
                 0o777,
@@ -293,6 +337,13 @@ impl KvFs {
         }
     }
 
+    fn session(&self, fh: FileHandle) -> Option<Arc<Session>> {
+        match self.handles.lock().get(&fh.0) {
+            Some(Handle::Control(s)) => Some(s.clone()),
+            _ => None,
+        }
+    }
+
     fn new_handle(&self, h: Handle) -> FileHandle {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.handles.lock().insert(fh, h);
@@ -392,6 +443,7 @@ impl KvFs {
                 ("op=\"lookup\"", &self.lat.lookup),
             ],
         );
+        self.control.render_stats(&mut e);
         e.single(
             "kvfs_uptime_seconds",
             "gauge",
@@ -583,7 +635,7 @@ impl Filesystem for KvFs {
         reply.error(Errno::EPERM);
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         match self.inodes.node(ino.0) {
             Some(Node::Group(_)) => {
                 reply.opened(self.new_handle(Handle::Group), FopenFlags::FOPEN_KEEP_CACHE)
@@ -605,6 +657,14 @@ impl Filesystem for KvFs {
             Some(Node::Flush) => {
                 reply.opened(self.new_handle(Handle::Group), FopenFlags::FOPEN_DIRECT_IO)
             }
+            Some(Node::Control) => {
+                let s = self.control.open_session(req.uid(), req.gid());
+                let fh = self.new_handle(Handle::Control(s));
+                reply.opened(
+                    fh,
+                    FopenFlags::FOPEN_DIRECT_IO | FopenFlags::FOPEN_NONSEEKABLE,
+                )
+            }
             Some(_) => reply.error(Errno::EISDIR),
             None => reply.error(Errno::ENOENT),
         }
@@ -617,7 +677,7 @@ impl Filesystem for KvFs {
         fh: FileHandle,
         offset: u64,
         size: u32,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock: Option<LockOwner>,
         reply: ReplyData,
     ) {
@@ -640,6 +700,20 @@ impl Filesystem for KvFs {
                 });
                 self.lat.read.observe(t.elapsed());
             }
+            Some(Node::Control) => match self.session(fh) {
+                Some(s) => {
+                    let nonblock = flags.0 & libc::O_NONBLOCK != 0;
+                    s.read(
+                        size as usize,
+                        nonblock,
+                        Box::new(move |r| match r {
+                            Ok(b) => reply.data(&b),
+                            Err(e) => reply.error(Errno::from_i32(e)),
+                        }),
+                    )
+                }
+                None => reply.error(Errno::EBADF),
+            },
             Some(_) => {
                 let h = self.handles.lock();
                 match h.get(&fh.0) {
@@ -659,7 +733,7 @@ impl Filesystem for KvFs {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         data: &[u8],
         _wf: WriteFlags,
@@ -676,6 +750,10 @@ impl Filesystem for KvFs {
                 }
                 self.lat.write.observe(t.elapsed());
             }
+            Some(Node::Control) => match self.session(fh) {
+                Some(s) => reply.written(s.write(data) as u32),
+                None => reply.error(Errno::EBADF),
+            },
             Some(Node::Flush) => match self.cascade.sync_all() {
                 Ok(()) => reply.written(data.len() as u32),
                 Err(e) => {
@@ -703,7 +781,9 @@ impl Filesystem for KvFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        self.handles.lock().remove(&fh.0);
+        if let Some(Handle::Control(s)) = self.handles.lock().remove(&fh.0) {
+            s.close();
+        }
         reply.ok();
     }
 
@@ -786,7 +866,9 @@ impl Filesystem for KvFs {
         _f: OpenFlags,
         reply: ReplyEmpty,
     ) {
-        self.handles.lock().remove(&fh.0);
+        if let Some(Handle::Control(s)) = self.handles.lock().remove(&fh.0) {
+            s.close();
+        }
         reply.ok();
     }
 
@@ -851,6 +933,81 @@ impl Filesystem for KvFs {
 
     fn removexattr(&self, _r: &Request, _i: INodeNo, _n: &OsStr, reply: ReplyEmpty) {
         reply.error(Errno::EPERM);
+    }
+
+    fn ioctl(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: fuser::IoctlFlags,
+        cmd: u32,
+        in_data: &[u8],
+        out_size: u32,
+        reply: fuser::ReplyIoctl,
+    ) {
+        if self.inodes.node(ino.0) != Some(Node::Control) || wire::ioctl_len(cmd).is_none() {
+            return reply.error(Errno::ENOTTY);
+        }
+        let Some(s) = self.session(fh) else {
+            return reply.error(Errno::EBADF);
+        };
+        let out_size = out_size as usize;
+        s.ioctl(
+            in_data,
+            Box::new(move |r| {
+                let b = r.encode();
+                if b.len() <= out_size {
+                    return reply.ioctl(0, &b);
+                }
+                let e = wire::Reply::error(
+                    r.command,
+                    libc::E2BIG,
+                    wire::NO_ENTRY,
+                    format!(
+                        "the reply is {} bytes, the ioctl buffer {out_size}; use write(2)/read(2)",
+                        b.len()
+                    ),
+                )
+                .encode();
+                if e.len() <= out_size {
+                    reply.ioctl(0, &e)
+                } else {
+                    reply.error(Errno::from_i32(libc::E2BIG))
+                }
+            }),
+        );
+    }
+
+    fn poll(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        ph: fuser::PollNotifier,
+        _events: fuser::PollEvents,
+        flags: fuser::PollFlags,
+        reply: fuser::ReplyPoll,
+    ) {
+        use fuser::PollEvents as P;
+        if self.inodes.node(ino.0) != Some(Node::Control) {
+            return reply.poll(P::POLLIN | P::POLLRDNORM | P::POLLOUT | P::POLLWRNORM);
+        }
+        let Some(s) = self.session(fh) else {
+            return reply.error(Errno::EBADF);
+        };
+        let notify: Option<Box<dyn FnOnce() + Send>> = flags
+            .contains(fuser::PollFlags::FUSE_POLL_SCHEDULE_NOTIFY)
+            .then(|| -> Box<dyn FnOnce() + Send> {
+                Box::new(move || {
+                    let _ = ph.notify();
+                })
+            });
+        let mut ev = P::POLLOUT | P::POLLWRNORM;
+        if s.poll(notify) {
+            ev |= P::POLLIN | P::POLLRDNORM;
+        }
+        reply.poll(ev);
     }
 
     fn access(&self, _req: &Request, ino: INodeNo, _mask: fuser::AccessFlags, reply: ReplyEmpty) {

@@ -1,0 +1,1031 @@
+//! The control file: per-fd sessions, registered regions, async tickets.
+//!
+//! A `Session` is one open file descriptor of `.kvfs/control`. It owns the
+//! regions registered on it (nobody else can name them), its tickets, and
+//! the output the fd reads: replies to requests written to it, in request
+//! order, then completion records of finished tickets. Every request is
+//! checked whole before any work starts (all-or-nothing admission): keys in
+//! the geometry, regions registered on this session, `offset + group_bytes`
+//! inside the region, no two RESTORE destinations overlapping. Admitted
+//! RESTORE/STORE/PREFETCH batches become one job each on the executor's
+//! threads; jobs hold their regions and session by reference, so closing
+//! the fd or UNREGISTER never frees memory a job still copies into. Waiting
+//! (a blocking read, an ioctl WAIT, poll) never holds a thread: callers
+//! park a callback that runs when output is ready. This layer knows nothing
+//! of FUSE; `fs` adapts it.
+
+pub mod wire;
+
+use crate::cascade::{Cascade, CascadeError, Residence};
+use crate::geometry::GroupIndex;
+use crate::stats::{Exposition, Histogram};
+use parking_lot::{Condvar, Mutex};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+use wire::{Command, IoEntry, NO_ENTRY, RawKey, Reply, Request, StateEntry};
+
+/// A region registered by a client: a shared mapping of its file.
+pub struct Region {
+    ptr: *mut u8,
+    len: u64,
+    _map: memmap2::MmapMut,
+    pub path: std::path::PathBuf,
+}
+
+// SAFETY: the mapping is shared memory that lives as long as the Region;
+// the executor reaches it only through bounds-checked, non-overlapping
+// ranges of one request (see `admit_io`).
+unsafe impl Send for Region {}
+// SAFETY: as for Send.
+unsafe impl Sync for Region {}
+
+impl Region {
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// # Safety
+    /// `offset + len <= self.len()` and no other live slice covers the range.
+    #[expect(clippy::mut_from_ref, reason = "ranges are made disjoint by admission")]
+    unsafe fn range_mut(&self, offset: u64, len: usize) -> &mut [u8] {
+        // SAFETY: in bounds by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset as usize), len) }
+    }
+
+    /// # Safety
+    /// `offset + len <= self.len()`.
+    unsafe fn range(&self, offset: u64, len: usize) -> &[u8] {
+        // SAFETY: in bounds by the caller's contract.
+        unsafe { std::slice::from_raw_parts(self.ptr.add(offset as usize), len) }
+    }
+}
+
+/// A request's rejection: errno, the offending entry, and why.
+#[derive(Debug)]
+pub struct Rejection {
+    pub errno: i32,
+    pub entry: u32,
+    pub message: String,
+}
+
+fn reject(errno: i32, entry: u32, message: impl Into<String>) -> Rejection {
+    Rejection {
+        errno,
+        entry,
+        message: message.into(),
+    }
+}
+
+/// Executor threads: enough to overlap backing reads with copies on a
+/// small machine; a batch is one job, so more threads than cores buys little.
+const MIN_EXECUTORS: usize = 2;
+
+type Job = Box<dyn FnOnce() + Send>;
+
+struct Executor {
+    queue: Mutex<VecDeque<Job>>,
+    ready: Condvar,
+}
+
+impl Executor {
+    fn start(threads: usize) -> Arc<Executor> {
+        let e = Arc::new(Executor {
+            queue: Mutex::new(VecDeque::new()),
+            ready: Condvar::new(),
+        });
+        for i in 0..threads {
+            let e = e.clone();
+            std::thread::Builder::new()
+                .name(format!("kvfs-exec-{i}"))
+                .spawn(move || {
+                    loop {
+                        let job = {
+                            let mut q = e.queue.lock();
+                            loop {
+                                if let Some(j) = q.pop_front() {
+                                    break j;
+                                }
+                                e.ready.wait(&mut q);
+                            }
+                        };
+                        job();
+                    }
+                })
+                .expect("cannot start executor thread");
+        }
+        e
+    }
+
+    fn submit(&self, job: Job) {
+        self.queue.lock().push_back(job);
+        self.ready.notify_one();
+    }
+}
+
+/// Wakes sessions whose WAIT deadlines pass.
+struct Timer {
+    heap: Mutex<BinaryHeap<std::cmp::Reverse<(Instant, u64, usize)>>>,
+    sessions: Mutex<HashMap<usize, Weak<Session>>>,
+    ready: Condvar,
+}
+
+impl Timer {
+    fn start() -> Arc<Timer> {
+        let t = Arc::new(Timer {
+            heap: Mutex::new(BinaryHeap::new()),
+            sessions: Mutex::new(HashMap::new()),
+            ready: Condvar::new(),
+        });
+        let t2 = t.clone();
+        std::thread::Builder::new()
+            .name("kvfs-timer".into())
+            .spawn(move || {
+                loop {
+                    let due = {
+                        let mut h = t2.heap.lock();
+                        loop {
+                            let now = Instant::now();
+                            match h.peek() {
+                                Some(std::cmp::Reverse((at, _, _))) if *at <= now => {
+                                    break h.pop().expect("peeked").0;
+                                }
+                                Some(std::cmp::Reverse((at, _, _))) => {
+                                    let at = *at;
+                                    t2.ready.wait_until(&mut h, at);
+                                }
+                                None => t2.ready.wait(&mut h),
+                            }
+                        }
+                    };
+                    let s = t2.sessions.lock().get(&due.2).and_then(Weak::upgrade);
+                    match s {
+                        Some(s) => s.pump(),
+                        None => {
+                            t2.sessions.lock().remove(&due.2);
+                        }
+                    }
+                }
+            })
+            .expect("cannot start timer thread");
+        t
+    }
+
+    fn at(&self, when: Instant, session: &Arc<Session>) {
+        let key = Arc::as_ptr(session) as usize;
+        self.sessions.lock().insert(key, Arc::downgrade(session));
+        self.heap.lock().push(std::cmp::Reverse((when, 0, key)));
+        self.ready.notify_one();
+    }
+}
+
+#[derive(Default)]
+struct ControlStats {
+    requests: [AtomicU64; 10],
+    rejected: [AtomicU64; 10],
+    restore_latency: Histogram,
+    store_latency: Histogram,
+    restored_bytes: AtomicU64,
+    stored_bytes: AtomicU64,
+    failed_entries: AtomicU64,
+    sessions: AtomicU64,
+}
+
+/// Called with each group a STORE changed (the filesystem drops the
+/// kernel's cached pages of it).
+pub type ChangeHook = Box<dyn Fn(GroupIndex) + Send + Sync>;
+
+/// The shared state of the control file: cascade, executor, metrics.
+pub struct Control {
+    cascade: Arc<Cascade>,
+    exec: Arc<Executor>,
+    timer: Arc<Timer>,
+    stats: ControlStats,
+    on_change: OnceLock<ChangeHook>,
+}
+
+impl Control {
+    pub fn new(cascade: Arc<Cascade>) -> Arc<Control> {
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(MIN_EXECUTORS)
+            .max(MIN_EXECUTORS);
+        Arc::new(Control {
+            cascade,
+            exec: Executor::start(threads),
+            timer: Timer::start(),
+            stats: ControlStats::default(),
+            on_change: OnceLock::new(),
+        })
+    }
+
+    pub fn cascade(&self) -> &Arc<Cascade> {
+        &self.cascade
+    }
+
+    /// Sets the hook told of groups changed through the control file.
+    pub fn set_change_hook(&self, hook: ChangeHook) {
+        let _ = self.on_change.set(hook);
+    }
+
+    /// Opens a session for a client with these credentials.
+    pub fn open_session(self: &Arc<Control>, uid: u32, gid: u32) -> Arc<Session> {
+        self.stats.sessions.fetch_add(1, Ordering::Relaxed);
+        Arc::new(Session {
+            ctl: self.clone(),
+            uid,
+            gid,
+            st: Mutex::new(SessionState::default()),
+        })
+    }
+
+    /// Appends the control metrics to a Prometheus exposition.
+    pub fn render_stats(&self, e: &mut Exposition) {
+        use wire::Command::*;
+        let cmds = [
+            Hello, Register, Unregister, Restore, Store, Query, Prefetch, Wait,
+        ];
+        e.header(
+            "kvfs_control_requests_total",
+            "counter",
+            "Control requests admitted, by command.",
+        );
+        for c in cmds {
+            e.sample(
+                "kvfs_control_requests_total",
+                &format!("command=\"{}\"", c.name()),
+                self.stats.requests[c as usize].load(Ordering::Relaxed),
+            );
+        }
+        e.header(
+            "kvfs_control_rejected_total",
+            "counter",
+            "Control requests rejected, by command.",
+        );
+        for c in cmds {
+            e.sample(
+                "kvfs_control_rejected_total",
+                &format!("command=\"{}\"", c.name()),
+                self.stats.rejected[c as usize].load(Ordering::Relaxed),
+            );
+        }
+        e.single(
+            "kvfs_control_failed_entries_total",
+            "counter",
+            "Entries of admitted tickets that failed.",
+            self.stats.failed_entries.load(Ordering::Relaxed),
+        );
+        e.header(
+            "kvfs_control_bytes_total",
+            "counter",
+            "Group bytes moved through the control file.",
+        );
+        e.sample(
+            "kvfs_control_bytes_total",
+            "op=\"restore\"",
+            self.stats.restored_bytes.load(Ordering::Relaxed),
+        );
+        e.sample(
+            "kvfs_control_bytes_total",
+            "op=\"store\"",
+            self.stats.stored_bytes.load(Ordering::Relaxed),
+        );
+        e.single(
+            "kvfs_control_sessions_total",
+            "counter",
+            "Control file opens.",
+            self.stats.sessions.load(Ordering::Relaxed),
+        );
+        e.histogram(
+            "kvfs_control_ticket_latency_seconds",
+            "Time from admission to completion of a ticket.",
+            &[
+                ("op=\"restore\"", &self.stats.restore_latency),
+                ("op=\"store\"", &self.stats.store_latency),
+            ],
+        );
+    }
+}
+
+enum Ticket {
+    Running,
+    Done(Reply),
+}
+
+/// An item of the fd's output, in request order.
+enum Out {
+    Ready(Vec<u8>),
+    /// A WAIT sent by write(2): resolved when the ticket ends or the deadline passes.
+    Wait {
+        ticket: u64,
+        deadline: Option<Instant>,
+    },
+}
+
+type Parked = Box<dyn FnOnce(Result<Vec<u8>, i32>) + Send>;
+type WaitCallback = Box<dyn FnOnce(Reply) + Send>;
+
+#[derive(Default)]
+struct SessionState {
+    regions: HashMap<u32, Arc<Region>>,
+    next_region: u32,
+    next_ticket: u64,
+    tickets: HashMap<u64, Ticket>,
+    /// Finished tickets not yet collected, oldest first.
+    done: VecDeque<u64>,
+    out: VecDeque<Out>,
+    /// The partly read current output item.
+    cursor: Option<(Vec<u8>, usize)>,
+    /// The last read ended exactly at an item's end, with the buffer full.
+    boundary: bool,
+    /// Bytes of a request still arriving over several writes.
+    partial: Vec<u8>,
+    readers: VecDeque<(usize, Parked)>,
+    waiters: Vec<(u64, Option<Instant>, WaitCallback)>,
+    pollers: Vec<Box<dyn FnOnce() + Send>>,
+}
+
+impl SessionState {
+    fn readable(&self) -> bool {
+        self.cursor.is_some()
+            || matches!(self.out.front(), Some(Out::Ready(_)))
+            || (self.out.is_empty() && !self.done.is_empty())
+    }
+
+    /// Takes a finished ticket's completion (collecting it).
+    fn collect(&mut self, ticket: u64) -> Option<Reply> {
+        match self.tickets.get(&ticket) {
+            Some(Ticket::Done(_)) => {}
+            _ => return None,
+        }
+        self.done.retain(|&t| t != ticket);
+        match self.tickets.remove(&ticket) {
+            Some(Ticket::Done(r)) => Some(r),
+            _ => None,
+        }
+    }
+
+    fn wait_result(
+        &mut self,
+        ticket: u64,
+        deadline: Option<Instant>,
+        now: Instant,
+    ) -> Option<Reply> {
+        if let Some(mut r) = self.collect(ticket) {
+            r.command = Command::Wait as u16;
+            return Some(r);
+        }
+        if !self.tickets.contains_key(&ticket) {
+            return Some(Reply::error(
+                Command::Wait as u16,
+                libc::EINVAL,
+                NO_ENTRY,
+                format!(
+                    "ticket {ticket} is neither in flight nor waiting to be collected on this fd"
+                ),
+            ));
+        }
+        match deadline {
+            Some(d) if d <= now => {
+                let mut r = Reply::error(
+                    Command::Wait as u16,
+                    libc::ETIMEDOUT,
+                    NO_ENTRY,
+                    format!("ticket {ticket} still running at the timeout"),
+                );
+                r.value = ticket;
+                Some(r)
+            }
+            _ => None,
+        }
+    }
+
+    /// Next bytes for a read of at most `size`, if any are ready.
+    fn next_bytes(&mut self, size: usize) -> Option<Vec<u8>> {
+        if self.cursor.is_none() {
+            let item = match self.out.front() {
+                Some(Out::Ready(_)) => match self.out.pop_front() {
+                    Some(Out::Ready(b)) => b,
+                    _ => unreachable!("front was Ready"),
+                },
+                Some(Out::Wait { .. }) => return None,
+                None => {
+                    let t = *self.done.front()?;
+                    let mut r = self.collect(t)?;
+                    r.command = Command::Completion as u16;
+                    r.encode()
+                }
+            };
+            self.cursor = Some((item, 0));
+        }
+        let (item, at) = self.cursor.as_mut().expect("set above");
+        let n = size.min(item.len() - *at);
+        let chunk = item[*at..*at + n].to_vec();
+        *at += n;
+        if *at == item.len() {
+            self.cursor = None;
+            self.boundary = n == size;
+        } else {
+            self.boundary = false;
+        }
+        Some(chunk)
+    }
+}
+
+/// One open control fd.
+pub struct Session {
+    ctl: Arc<Control>,
+    uid: u32,
+    gid: u32,
+    st: Mutex<SessionState>,
+}
+
+impl Session {
+    /// Feeds bytes written to the fd; complete requests are handled and
+    /// their replies queued. Returns how many bytes were taken (all).
+    pub fn write(self: &Arc<Session>, data: &[u8]) -> usize {
+        let mut st = self.st.lock();
+        st.partial.extend_from_slice(data);
+        loop {
+            if st.partial.len() < wire::HEADER_BYTES {
+                break;
+            }
+            let want = match wire::request_len(&st.partial) {
+                Ok((_, n)) => n,
+                Err(e) => {
+                    // The stream cannot be resynchronised: drop it whole.
+                    let cmd = u16::from_le_bytes([st.partial[6], st.partial[7]]);
+                    st.partial.clear();
+                    let r = Reply::error(cmd, libc::EINVAL, NO_ENTRY, e.to_string());
+                    st.out.push_back(Out::Ready(r.encode()));
+                    break;
+                }
+            };
+            if st.partial.len() < want {
+                break;
+            }
+            let req: Vec<u8> = st.partial.drain(..want).collect();
+            drop(st);
+            let out = match wire::decode_request(&req) {
+                Ok(Request::Wait { ticket, timeout_ms }) => {
+                    self.ctl.stats.requests[Command::Wait as usize].fetch_add(1, Ordering::Relaxed);
+                    let deadline = self.deadline(timeout_ms);
+                    Out::Wait { ticket, deadline }
+                }
+                Ok(r) => Out::Ready(self.handle(r).encode()),
+                Err(e) => Out::Ready(
+                    Reply::error(
+                        u16::from_le_bytes([req[6], req[7]]),
+                        libc::EINVAL,
+                        NO_ENTRY,
+                        e.to_string(),
+                    )
+                    .encode(),
+                ),
+            };
+            st = self.st.lock();
+            st.out.push_back(out);
+        }
+        drop(st);
+        self.pump();
+        data.len()
+    }
+
+    fn deadline(self: &Arc<Session>, timeout_ms: u64) -> Option<Instant> {
+        (timeout_ms != u64::MAX).then(|| {
+            let d = Instant::now() + Duration::from_millis(timeout_ms.min(1 << 40));
+            self.ctl.timer.at(d, self);
+            d
+        })
+    }
+
+    /// A read of at most `size` bytes: answered now (`Ok`), or `cb` is
+    /// parked and called when output arrives. `nonblock` answers EAGAIN
+    /// instead of parking.
+    pub fn read(&self, size: usize, nonblock: bool, cb: Parked) {
+        let mut st = self.st.lock();
+        if !st.partial.is_empty() && st.out.is_empty() && st.cursor.is_none() {
+            let have = st.partial.len();
+            st.partial.clear();
+            let r = Reply::error(
+                0,
+                libc::EINVAL,
+                NO_ENTRY,
+                format!(
+                    "truncated request: {have} bytes of a request were written, then a read came"
+                ),
+            );
+            st.out.push_back(Out::Ready(r.encode()));
+        }
+        if let Some(b) = st.next_bytes(size) {
+            drop(st);
+            return cb(Ok(b));
+        }
+        if std::mem::take(&mut st.boundary) {
+            // The last read ended exactly at an item's end with its buffer
+            // full: this may be the kernel asking for the rest of that
+            // read(2). End it here rather than block it.
+            drop(st);
+            return cb(Ok(Vec::new()));
+        }
+        if nonblock {
+            drop(st);
+            return cb(Err(libc::EAGAIN));
+        }
+        st.readers.push_back((size, cb));
+    }
+
+    /// Handles one ioctl(2) request: `cb` gets the reply (now, or when a
+    /// WAIT ends).
+    pub fn ioctl(self: &Arc<Session>, req: &[u8], cb: WaitCallback) {
+        let request = wire::request_len(req).and_then(|(_, n)| {
+            if n > req.len() {
+                Err(wire::DecodeError::Length {
+                    command: "ioctl request",
+                    count: 0,
+                    want: n,
+                    got: req.len(),
+                })
+            } else {
+                wire::decode_request(&req[..n])
+            }
+        });
+        match request {
+            Ok(Request::Wait { ticket, timeout_ms }) => {
+                self.ctl.stats.requests[Command::Wait as usize].fetch_add(1, Ordering::Relaxed);
+                let deadline = self.deadline(timeout_ms);
+                let mut st = self.st.lock();
+                match st.wait_result(ticket, deadline, Instant::now()) {
+                    Some(r) => {
+                        drop(st);
+                        cb(r)
+                    }
+                    None => st.waiters.push((ticket, deadline, cb)),
+                }
+            }
+            Ok(r) => cb(self.handle(r)),
+            Err(e) => {
+                let cmd = if req.len() >= 8 {
+                    u16::from_le_bytes([req[6], req[7]])
+                } else {
+                    0
+                };
+                cb(Reply::error(cmd, libc::EINVAL, NO_ENTRY, e.to_string()))
+            }
+        }
+    }
+
+    /// Whether a read would return now; if not, `notify` is called once it would.
+    pub fn poll(&self, notify: Option<Box<dyn FnOnce() + Send>>) -> bool {
+        let mut st = self.st.lock();
+        if st.readable() {
+            return true;
+        }
+        if let Some(n) = notify {
+            st.pollers.push(n);
+        }
+        false
+    }
+
+    /// Runs whatever waiters can now be answered (after any state change).
+    fn pump(&self) {
+        let now = Instant::now();
+        let mut actions: Vec<Box<dyn FnOnce() + Send>> = Vec::new();
+        let mut st = self.st.lock();
+        // WAITs sent by write(2).
+        for i in 0..st.out.len() {
+            if let Out::Wait { ticket, deadline } = st.out[i] {
+                if let Some(r) = st.wait_result(ticket, deadline, now) {
+                    st.out[i] = Out::Ready(r.encode());
+                }
+            }
+        }
+        // WAITs sent by ioctl(2).
+        let waiters = std::mem::take(&mut st.waiters);
+        for (ticket, deadline, cb) in waiters {
+            match st.wait_result(ticket, deadline, now) {
+                Some(r) => actions.push(Box::new(move || cb(r))),
+                None => st.waiters.push((ticket, deadline, cb)),
+            }
+        }
+        // Parked reads.
+        while let Some((size, _)) = st.readers.front() {
+            let size = *size;
+            let Some(b) = st.next_bytes(size) else { break };
+            st.boundary = false;
+            let (_, cb) = st.readers.pop_front().expect("front exists");
+            actions.push(Box::new(move || cb(Ok(b))));
+        }
+        if st.readable() {
+            actions.extend(st.pollers.drain(..));
+        }
+        drop(st);
+        for a in actions {
+            a();
+        }
+    }
+
+    /// The fd is closing: parked callers get EBADF; in-flight tickets run
+    /// to their end (they hold the session and their regions).
+    pub fn close(&self) {
+        let mut st = self.st.lock();
+        let readers: Vec<_> = st.readers.drain(..).collect();
+        let waiters: Vec<_> = st.waiters.drain(..).collect();
+        st.pollers.clear();
+        drop(st);
+        for (_, cb) in readers {
+            cb(Err(libc::EBADF));
+        }
+        for (t, _, cb) in waiters {
+            cb(Reply::error(
+                Command::Wait as u16,
+                libc::EBADF,
+                NO_ENTRY,
+                format!("fd closed while waiting for ticket {t}"),
+            ));
+        }
+    }
+
+    fn count(&self, cmd: Command, ok: bool) {
+        let a = if ok {
+            &self.ctl.stats.requests
+        } else {
+            &self.ctl.stats.rejected
+        };
+        a[cmd as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Handles every request but WAIT.
+    fn handle(self: &Arc<Session>, r: Request) -> Reply {
+        let cmd = match &r {
+            Request::Hello => Command::Hello,
+            Request::Register { .. } => Command::Register,
+            Request::Unregister { .. } => Command::Unregister,
+            Request::Restore(_) => Command::Restore,
+            Request::Store(_) => Command::Store,
+            Request::Query(_) => Command::Query,
+            Request::Prefetch(_) => Command::Prefetch,
+            Request::Wait { .. } => unreachable!("WAIT is handled by its transport"),
+        };
+        let out = match r {
+            Request::Hello => Ok(self.hello()),
+            Request::Register { path, len, flags } => self.register(&path, len, flags),
+            Request::Unregister { region } => self.unregister(region),
+            Request::Restore(e) => self.submit_io(Command::Restore, &e),
+            Request::Store(e) => self.submit_io(Command::Store, &e),
+            Request::Query(k) => self.query(&k),
+            Request::Prefetch(k) => self.prefetch(&k),
+            Request::Wait { .. } => unreachable!(),
+        };
+        self.count(cmd, out.is_ok());
+        out.unwrap_or_else(|rj| Reply::error(cmd as u16, rj.errno, rj.entry, rj.message))
+    }
+
+    fn hello(&self) -> Reply {
+        let l = self.ctl.cascade.layout();
+        let mut r = Reply::ok(Command::Hello, wire::VERSION as u64);
+        r.message = l.to_json();
+        r
+    }
+
+    fn register(&self, path: &[u8], len: u64, flags: u64) -> Result<Reply, Rejection> {
+        if flags != 0 {
+            return Err(reject(
+                libc::EINVAL,
+                NO_ENTRY,
+                format!("unknown REGISTER flags {flags:#x} (0 = host file)"),
+            ));
+        }
+        let path = std::str::from_utf8(path)
+            .map_err(|_| reject(libc::EINVAL, NO_ENTRY, "region path is not UTF-8"))?;
+        let p = std::path::Path::new(path);
+        if !p.is_absolute() {
+            return Err(reject(
+                libc::EINVAL,
+                NO_ENTRY,
+                format!("region path {path:?} must be absolute"),
+            ));
+        }
+        if len == 0 {
+            return Err(reject(
+                libc::EINVAL,
+                NO_ENTRY,
+                "region length must be at least 1 byte",
+            ));
+        }
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(p)
+            .map_err(|e| {
+                let errno = e.raw_os_error().unwrap_or(libc::EIO);
+                let why = if errno == libc::ELOOP {
+                    "is a symbolic link".to_string()
+                } else {
+                    e.to_string()
+                };
+                reject(
+                    errno,
+                    NO_ENTRY,
+                    format!("cannot open region file {path}: {why}"),
+                )
+            })?;
+        let md = file
+            .metadata()
+            .map_err(|e| reject(libc::EIO, NO_ENTRY, format!("cannot stat {path}: {e}")))?;
+        if !md.file_type().is_file() {
+            return Err(reject(
+                libc::EINVAL,
+                NO_ENTRY,
+                format!("region {path} is not a regular file"),
+            ));
+        }
+        // The daemon may run as root: check the requester's own rights.
+        if self.uid != 0 {
+            let mode = md.mode();
+            let bits = if md.uid() == self.uid {
+                (mode >> 6) & 0o7
+            } else if md.gid() == self.gid {
+                (mode >> 3) & 0o7
+            } else {
+                mode & 0o7
+            };
+            if bits & 0o6 != 0o6 {
+                return Err(reject(
+                    libc::EACCES,
+                    NO_ENTRY,
+                    format!("uid {} may not read and write {path}", self.uid),
+                ));
+            }
+        }
+        if md.len() < len {
+            return Err(reject(
+                libc::EINVAL,
+                NO_ENTRY,
+                format!(
+                    "region file {path} is {} bytes, shorter than the length {len}",
+                    md.len()
+                ),
+            ));
+        }
+        if len > isize::MAX as u64 {
+            return Err(reject(libc::EINVAL, NO_ENTRY, "region length too large"));
+        }
+        // SAFETY: a shared mapping of a regular file we just checked; the
+        // client may change the bytes at any time, which the daemon treats
+        // as data, never as structure.
+        let map = unsafe { memmap2::MmapOptions::new().len(len as usize).map_mut(&file) }.map_err(
+            |e| {
+                reject(
+                    e.raw_os_error().unwrap_or(libc::EIO),
+                    NO_ENTRY,
+                    format!("cannot map {path}: {e}"),
+                )
+            },
+        )?;
+        let ptr = map.as_ptr() as *mut u8;
+        let region = Arc::new(Region {
+            ptr,
+            len,
+            _map: map,
+            path: p.to_path_buf(),
+        });
+        let mut st = self.st.lock();
+        st.next_region += 1;
+        let id = st.next_region;
+        st.regions.insert(id, region);
+        Ok(Reply::ok(Command::Register, id as u64))
+    }
+
+    fn unregister(&self, region: u32) -> Result<Reply, Rejection> {
+        match self.st.lock().regions.remove(&region) {
+            Some(_) => Ok(Reply::ok(Command::Unregister, region as u64)),
+            None => Err(reject(
+                libc::EBADF,
+                NO_ENTRY,
+                format!("region {region} is not registered on this fd"),
+            )),
+        }
+    }
+
+    fn key_index(&self, i: usize, k: &RawKey) -> Result<GroupIndex, Rejection> {
+        let key = k.key().ok_or_else(|| {
+            reject(
+                libc::EINVAL,
+                i as u32,
+                format!("entry {i}: kind {} is not 0 (K) or 1 (V)", k.kind),
+            )
+        })?;
+        self.ctl
+            .cascade
+            .layout()
+            .index(key)
+            .map_err(|e| reject(libc::ERANGE, i as u32, format!("entry {i}: {key}: {e}")))
+    }
+
+    /// All-or-nothing admission of RESTORE/STORE entries.
+    fn admit_io(
+        &self,
+        cmd: Command,
+        entries: &[IoEntry],
+    ) -> Result<Vec<(GroupIndex, Arc<Region>, u64)>, Rejection> {
+        let gb = self.ctl.cascade.layout().group_bytes();
+        let st = self.st.lock();
+        let mut out = Vec::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            let g = self.key_index(i, &e.key)?;
+            let region = st.regions.get(&e.region).ok_or_else(|| {
+                reject(
+                    libc::EBADF,
+                    i as u32,
+                    format!(
+                        "entry {i}: region {} is not registered on this fd",
+                        e.region
+                    ),
+                )
+            })?;
+            let end = e.offset.checked_add(gb).filter(|&end| end <= region.len());
+            if end.is_none() {
+                return Err(reject(
+                    libc::EFAULT,
+                    i as u32,
+                    format!(
+                        "entry {i}: bytes {}..{} lie outside region {} ({} bytes)",
+                        e.offset,
+                        e.offset.saturating_add(gb),
+                        e.region,
+                        region.len()
+                    ),
+                ));
+            }
+            out.push((g, region.clone(), e.offset));
+        }
+        drop(st);
+        if cmd == Command::Restore {
+            // Two restores into the same bytes would race: refuse.
+            let mut spans: Vec<(usize, u64, usize)> = out
+                .iter()
+                .enumerate()
+                .map(|(i, (_, r, off))| (Arc::as_ptr(r) as usize, *off, i))
+                .collect();
+            spans.sort_unstable();
+            for w in spans.windows(2) {
+                if w[0].0 == w[1].0 && w[0].1 + gb > w[1].1 {
+                    let (a, b) = (w[0].2.min(w[1].2), w[0].2.max(w[1].2));
+                    return Err(reject(
+                        libc::EINVAL,
+                        b as u32,
+                        format!(
+                            "entries {a} and {b} restore into overlapping bytes of region {}",
+                            entries[b].region
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn new_ticket(&self) -> u64 {
+        let mut st = self.st.lock();
+        st.next_ticket += 1;
+        let t = st.next_ticket;
+        st.tickets.insert(t, Ticket::Running);
+        t
+    }
+
+    fn finish(self: &Arc<Session>, ticket: u64, results: Vec<Result<(), CascadeError>>) {
+        let failed = results.iter().filter(|r| r.is_err()).count() as u32;
+        let first = results.iter().position(|r| r.is_err());
+        let mut r = Reply::ok(Command::Completion, ticket);
+        if let Some(i) = first {
+            let e = results[i].as_ref().err().expect("position found an error");
+            r.status = e.errno() as u32;
+            r.failed = failed;
+            r.entry = i as u32;
+            r.message = format!("entry {i}: {e}");
+            self.ctl
+                .stats
+                .failed_entries
+                .fetch_add(failed as u64, Ordering::Relaxed);
+        }
+        {
+            let mut st = self.st.lock();
+            st.tickets.insert(ticket, Ticket::Done(r));
+            st.done.push_back(ticket);
+        }
+        self.pump();
+    }
+
+    fn submit_io(
+        self: &Arc<Session>,
+        cmd: Command,
+        entries: &[IoEntry],
+    ) -> Result<Reply, Rejection> {
+        let work = self.admit_io(cmd, entries)?;
+        let ticket = self.new_ticket();
+        let s = self.clone();
+        let started = Instant::now();
+        let job: Job = match cmd {
+            Command::Restore => Box::new(move || {
+                let gb = s.ctl.cascade.layout().group_bytes() as usize;
+                let mut items: Vec<(GroupIndex, &mut [u8])> = work
+                    .iter()
+                    // SAFETY: admission checked each range is inside its
+                    // region and that no two ranges overlap; `work` keeps
+                    // the regions mapped until the job ends.
+                    .map(|(g, r, off)| (*g, unsafe { r.range_mut(*off, gb) }))
+                    .collect();
+                let results: Vec<Result<(), CascadeError>> = s
+                    .ctl
+                    .cascade
+                    .read_groups(&mut items)
+                    .into_iter()
+                    .map(|r| r.map(|_| ()))
+                    .collect();
+                drop(items);
+                let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
+                s.ctl
+                    .stats
+                    .restored_bytes
+                    .fetch_add(ok * gb as u64, Ordering::Relaxed);
+                s.ctl.stats.restore_latency.observe(started.elapsed());
+                s.finish(ticket, results);
+            }),
+            _ => Box::new(move || {
+                let gb = s.ctl.cascade.layout().group_bytes() as usize;
+                let results: Vec<Result<(), CascadeError>> = work
+                    .iter()
+                    .map(|(g, r, off)| {
+                        // SAFETY: admission checked the range is inside the region.
+                        let src = unsafe { r.range(*off, gb) };
+                        let res = s.ctl.cascade.write(*g, 0, src);
+                        if res.is_ok()
+                            && let Some(h) = s.ctl.on_change.get()
+                        {
+                            h(*g);
+                        }
+                        res
+                    })
+                    .collect();
+                let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
+                s.ctl
+                    .stats
+                    .stored_bytes
+                    .fetch_add(ok * gb as u64, Ordering::Relaxed);
+                s.ctl.stats.store_latency.observe(started.elapsed());
+                s.finish(ticket, results);
+            }),
+        };
+        self.ctl.exec.submit(job);
+        Ok(Reply::ok(cmd, ticket))
+    }
+
+    fn query(&self, keys: &[RawKey]) -> Result<Reply, Rejection> {
+        let gs: Vec<GroupIndex> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| self.key_index(i, k))
+            .collect::<Result<_, _>>()?;
+        let mut r = Reply::ok(Command::Query, gs.len() as u64);
+        for (i, g) in gs.iter().enumerate() {
+            let q = self
+                .ctl
+                .cascade
+                .query(*g)
+                .map_err(|e| reject(libc::EIO, i as u32, format!("entry {i}: {e}")))?;
+            r.states.push(StateEntry {
+                state: match q.residence {
+                    Residence::Empty => wire::STATE_EMPTY,
+                    Residence::Backing => wire::STATE_BACKING,
+                    Residence::T1 => wire::STATE_T1,
+                },
+                dirty: q.dirty,
+                crc: q.backing_crc.unwrap_or(0),
+            });
+        }
+        Ok(r)
+    }
+
+    fn prefetch(self: &Arc<Session>, keys: &[RawKey]) -> Result<Reply, Rejection> {
+        let gs: Vec<GroupIndex> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| self.key_index(i, k))
+            .collect::<Result<_, _>>()?;
+        let ticket = self.new_ticket();
+        let s = self.clone();
+        self.ctl.exec.submit(Box::new(move || {
+            let results = gs.iter().map(|g| s.ctl.cascade.prefetch(*g)).collect();
+            s.finish(ticket, results);
+        }));
+        Ok(Reply::ok(Command::Prefetch, ticket))
+    }
+}

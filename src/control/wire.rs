@@ -1,0 +1,624 @@
+//! The control protocol's wire format: little-endian, versioned, fixed-size.
+//!
+//! A request is a 32-byte header and `count` fixed-size entries (or, for
+//! REGISTER, `count` bytes of path). A reply is a 32-byte header, `count`
+//! entries and `msg_len` bytes of UTF-8 message. The same bytes travel by
+//! ioctl(2) (request in, reply out of one buffer) or by write(2) of a
+//! request and read(2) of its reply. README.md specifies every field; this
+//! file is the one implementation of it, shared by the daemon and the Rust
+//! client. Decoding never panics and never trusts a count: every length is
+//! checked against the bytes actually present.
+
+use crate::geometry::{GroupKey, Kind};
+
+pub const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"KVFQ");
+pub const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"KVFR");
+pub const VERSION: u16 = 1;
+pub const HEADER_BYTES: usize = 32;
+/// RESTORE/STORE entry: block u64, layer u32, head u32, kind u32, region u32, offset u64.
+pub const IO_ENTRY_BYTES: usize = 32;
+/// QUERY/PREFETCH entry: block u64, layer u32, head u32, kind u32, pad u32.
+pub const KEY_ENTRY_BYTES: usize = 24;
+/// QUERY reply entry: state u8, dirty u8, pad u16, crc32c u32.
+pub const STATE_ENTRY_BYTES: usize = 8;
+/// Most entries one request may carry: 1 Mi entries is 32 MiB of request,
+/// far beyond any batch an engine sends, small enough to bound memory.
+pub const MAX_ENTRIES: u32 = 1 << 20;
+/// Longest REGISTER path.
+pub const MAX_PATH: u32 = 4096;
+/// ioctl(2) command number ('K' = 0x4b, nr 1); the size field of `_IOWR`
+/// carries the buffer length, at most `MAX_IOCTL_BYTES`.
+pub const IOCTL_TYPE: u32 = 0x4b;
+pub const IOCTL_NR: u32 = 1;
+pub const MAX_IOCTL_BYTES: usize = (1 << 14) - 1;
+/// "No entry" in `entry_index` fields.
+pub const NO_ENTRY: u32 = u32::MAX;
+
+/// `_IOWR('K', 1, len)`: the ioctl command for a buffer of `len` bytes.
+pub fn ioctl_cmd(len: usize) -> u32 {
+    // _IOC(dir = read|write = 3, type, nr, size)
+    (3 << 30) | ((len as u32 & 0x3fff) << 16) | (IOCTL_TYPE << 8) | IOCTL_NR
+}
+
+/// Splits an ioctl command into its buffer size, if it is ours.
+pub fn ioctl_len(cmd: u32) -> Option<usize> {
+    ((cmd >> 30) == 3 && (cmd >> 8) & 0xff == IOCTL_TYPE && cmd & 0xff == IOCTL_NR)
+        .then_some(((cmd >> 16) & 0x3fff) as usize)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Command {
+    Hello = 1,
+    Register = 2,
+    Unregister = 3,
+    Restore = 4,
+    Store = 5,
+    Query = 6,
+    Prefetch = 7,
+    Wait = 8,
+    /// Reply-only: an unsolicited completion record read from the fd.
+    Completion = 9,
+}
+
+impl Command {
+    pub fn from_u16(v: u16) -> Option<Command> {
+        use Command::*;
+        [
+            Hello, Register, Unregister, Restore, Store, Query, Prefetch, Wait, Completion,
+        ]
+        .into_iter()
+        .find(|c| *c as u16 == v)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Command::Hello => "hello",
+            Command::Register => "register",
+            Command::Unregister => "unregister",
+            Command::Restore => "restore",
+            Command::Store => "store",
+            Command::Query => "query",
+            Command::Prefetch => "prefetch",
+            Command::Wait => "wait",
+            Command::Completion => "completion",
+        }
+    }
+}
+
+/// A request header. Fields by command:
+/// - HELLO: nothing. REGISTER: `count` = path bytes, `arg0` = flags (0),
+///   `arg1` = region length. UNREGISTER: `arg0` = region id.
+/// - RESTORE, STORE: `count` IO entries. QUERY, PREFETCH: `count` key entries.
+/// - WAIT: `arg0` = ticket, `arg1` = timeout in ms (u64::MAX: forever).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub command: u16,
+    pub count: u32,
+    pub arg0: u64,
+    pub arg1: u64,
+}
+
+/// One RESTORE/STORE entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IoEntry {
+    pub key: RawKey,
+    pub region: u32,
+    pub offset: u64,
+}
+
+/// A key as sent: not yet checked against the geometry (kind may be bad).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawKey {
+    pub layer: u32,
+    pub block: u64,
+    pub head: u32,
+    pub kind: u32,
+}
+
+impl RawKey {
+    pub fn from_key(k: GroupKey) -> RawKey {
+        RawKey {
+            layer: k.layer,
+            block: k.block,
+            head: k.head,
+            kind: match k.kind {
+                Kind::K => 0,
+                Kind::V => 1,
+            },
+        }
+    }
+
+    /// The key, if `kind` is 0 (K) or 1 (V).
+    pub fn key(&self) -> Option<GroupKey> {
+        let kind = match self.kind {
+            0 => Kind::K,
+            1 => Kind::V,
+            _ => return None,
+        };
+        Some(GroupKey::new(self.layer, self.block, self.head, kind))
+    }
+}
+
+/// Group states in QUERY replies.
+pub const STATE_EMPTY: u8 = 0;
+pub const STATE_BACKING: u8 = 1;
+pub const STATE_T1: u8 = 2;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateEntry {
+    pub state: u8,
+    pub dirty: bool,
+    pub crc: u32,
+}
+
+/// A decoded request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    Hello,
+    Register { path: Vec<u8>, len: u64, flags: u64 },
+    Unregister { region: u32 },
+    Restore(Vec<IoEntry>),
+    Store(Vec<IoEntry>),
+    Query(Vec<RawKey>),
+    Prefetch(Vec<RawKey>),
+    Wait { ticket: u64, timeout_ms: u64 },
+}
+
+/// Why a request could not be decoded (all EINVAL on the wire).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("request is {0} bytes, shorter than the {HEADER_BYTES}-byte header")]
+    Short(usize),
+    #[error("bad magic {0:#010x} (expected \"KVFQ\")")]
+    Magic(u32),
+    #[error("protocol version {0} is not supported (this kvfs speaks version {VERSION})")]
+    Version(u16),
+    #[error("unknown command {0}")]
+    Command(u16),
+    #[error("{what} {count} is too many (at most {max})")]
+    TooMany {
+        what: &'static str,
+        count: u32,
+        max: u32,
+    },
+    #[error("{command} with {count} entries needs {want} bytes, got {got}")]
+    Length {
+        command: &'static str,
+        count: u32,
+        want: usize,
+        got: usize,
+    },
+    #[error("reserved header field is {0}, must be 0")]
+    Reserved(u32),
+    #[error("region id {0} does not fit in 32 bits")]
+    RegionId(u64),
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+pub fn encode_header(out: &mut Vec<u8>, magic: u32, h: &Header) {
+    out.extend_from_slice(&magic.to_le_bytes());
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&h.command.to_le_bytes());
+    out.extend_from_slice(&h.count.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes());
+    out.extend_from_slice(&h.arg0.to_le_bytes());
+    out.extend_from_slice(&h.arg1.to_le_bytes());
+}
+
+fn encode_key(out: &mut Vec<u8>, k: &RawKey) {
+    out.extend_from_slice(&k.block.to_le_bytes());
+    out.extend_from_slice(&k.layer.to_le_bytes());
+    out.extend_from_slice(&k.head.to_le_bytes());
+    out.extend_from_slice(&k.kind.to_le_bytes());
+}
+
+fn decode_key(b: &[u8]) -> RawKey {
+    RawKey {
+        block: u64_at(b, 0),
+        layer: u32_at(b, 8),
+        head: u32_at(b, 12),
+        kind: u32_at(b, 16),
+    }
+}
+
+/// Encodes a request (the client's side).
+pub fn encode_request(r: &Request) -> Vec<u8> {
+    let mut out = Vec::new();
+    let (command, count, arg0, arg1) = match r {
+        Request::Hello => (Command::Hello, 0, 0, 0),
+        Request::Register { path, len, flags } => {
+            (Command::Register, path.len() as u32, *flags, *len)
+        }
+        Request::Unregister { region } => (Command::Unregister, 0, *region as u64, 0),
+        Request::Restore(e) => (Command::Restore, e.len() as u32, 0, 0),
+        Request::Store(e) => (Command::Store, e.len() as u32, 0, 0),
+        Request::Query(k) => (Command::Query, k.len() as u32, 0, 0),
+        Request::Prefetch(k) => (Command::Prefetch, k.len() as u32, 0, 0),
+        Request::Wait { ticket, timeout_ms } => (Command::Wait, 0, *ticket, *timeout_ms),
+    };
+    let h = Header {
+        command: command as u16,
+        count,
+        arg0,
+        arg1,
+    };
+    encode_header(&mut out, REQUEST_MAGIC, &h);
+    match r {
+        Request::Register { path, .. } => out.extend_from_slice(path),
+        Request::Restore(e) | Request::Store(e) => {
+            for x in e {
+                encode_key(&mut out, &x.key);
+                out.extend_from_slice(&x.region.to_le_bytes());
+                out.extend_from_slice(&x.offset.to_le_bytes());
+            }
+        }
+        Request::Query(k) | Request::Prefetch(k) => {
+            for x in k {
+                encode_key(&mut out, x);
+                out.extend_from_slice(&0u32.to_le_bytes());
+            }
+        }
+        _ => {}
+    }
+    out
+}
+
+/// Reads a request header and says how many bytes the whole request has.
+pub fn request_len(b: &[u8]) -> Result<(Header, usize), DecodeError> {
+    if b.len() < HEADER_BYTES {
+        return Err(DecodeError::Short(b.len()));
+    }
+    let magic = u32_at(b, 0);
+    if magic != REQUEST_MAGIC {
+        return Err(DecodeError::Magic(magic));
+    }
+    let version = u16_at(b, 4);
+    if version != VERSION {
+        return Err(DecodeError::Version(version));
+    }
+    let h = Header {
+        command: u16_at(b, 6),
+        count: u32_at(b, 8),
+        arg0: u64_at(b, 16),
+        arg1: u64_at(b, 24),
+    };
+    let reserved = u32_at(b, 12);
+    if reserved != 0 {
+        return Err(DecodeError::Reserved(reserved));
+    }
+    let cmd = Command::from_u16(h.command)
+        .filter(|c| *c != Command::Completion)
+        .ok_or(DecodeError::Command(h.command))?;
+    let per = match cmd {
+        Command::Register => {
+            if h.count > MAX_PATH {
+                return Err(DecodeError::TooMany {
+                    what: "path length",
+                    count: h.count,
+                    max: MAX_PATH,
+                });
+            }
+            1
+        }
+        Command::Restore | Command::Store => IO_ENTRY_BYTES,
+        Command::Query | Command::Prefetch => KEY_ENTRY_BYTES,
+        _ => 0,
+    };
+    if per > 1 && h.count > MAX_ENTRIES {
+        return Err(DecodeError::TooMany {
+            what: "entry count",
+            count: h.count,
+            max: MAX_ENTRIES,
+        });
+    }
+    Ok((h, HEADER_BYTES + per * h.count as usize))
+}
+
+/// Decodes one complete request; `b` must be exactly its bytes.
+pub fn decode_request(b: &[u8]) -> Result<Request, DecodeError> {
+    let (h, want) = request_len(b)?;
+    let cmd = Command::from_u16(h.command).expect("checked by request_len");
+    if b.len() != want {
+        return Err(DecodeError::Length {
+            command: cmd.name(),
+            count: h.count,
+            want,
+            got: b.len(),
+        });
+    }
+    let body = &b[HEADER_BYTES..];
+    Ok(match cmd {
+        Command::Hello => Request::Hello,
+        Command::Register => Request::Register {
+            path: body.to_vec(),
+            flags: h.arg0,
+            len: h.arg1,
+        },
+        Command::Unregister => Request::Unregister {
+            region: u32::try_from(h.arg0).map_err(|_| DecodeError::RegionId(h.arg0))?,
+        },
+        Command::Restore | Command::Store => {
+            let e = body
+                .chunks_exact(IO_ENTRY_BYTES)
+                .map(|c| IoEntry {
+                    key: decode_key(c),
+                    region: u32_at(c, 20),
+                    offset: u64_at(c, 24),
+                })
+                .collect();
+            if cmd == Command::Restore {
+                Request::Restore(e)
+            } else {
+                Request::Store(e)
+            }
+        }
+        Command::Query | Command::Prefetch => {
+            let k = body.chunks_exact(KEY_ENTRY_BYTES).map(decode_key).collect();
+            if cmd == Command::Query {
+                Request::Query(k)
+            } else {
+                Request::Prefetch(k)
+            }
+        }
+        Command::Wait => Request::Wait {
+            ticket: h.arg0,
+            timeout_ms: h.arg1,
+        },
+        Command::Completion => unreachable!("refused by request_len"),
+    })
+}
+
+/// A reply. `status` is 0 or an errno; `value` is the region id (REGISTER),
+/// the ticket (RESTORE, STORE, PREFETCH, WAIT, completion records) or the
+/// protocol version (HELLO); `failed` counts failed entries of a finished
+/// ticket; `entry` is the first failing entry's index (or NO_ENTRY).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reply {
+    pub command: u16,
+    pub status: u32,
+    pub value: u64,
+    pub failed: u32,
+    pub entry: u32,
+    pub states: Vec<StateEntry>,
+    pub message: String,
+}
+
+impl Reply {
+    pub fn ok(command: Command, value: u64) -> Reply {
+        Reply {
+            command: command as u16,
+            status: 0,
+            value,
+            failed: 0,
+            entry: NO_ENTRY,
+            states: Vec::new(),
+            message: String::new(),
+        }
+    }
+
+    pub fn error(command: u16, errno: i32, entry: u32, message: String) -> Reply {
+        Reply {
+            command,
+            status: errno as u32,
+            value: 0,
+            failed: 0,
+            entry,
+            states: Vec::new(),
+            message,
+        }
+    }
+
+    /// Reply layout: magic u32, version u16, command u16, status u32,
+    /// count u32 (state entries), value u64, failed u32, entry u32, then
+    /// `count` state entries, then a u32 message length and the message.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out =
+            Vec::with_capacity(HEADER_BYTES + 8 * self.states.len() + 4 + self.message.len());
+        out.extend_from_slice(&REPLY_MAGIC.to_le_bytes());
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&self.command.to_le_bytes());
+        out.extend_from_slice(&self.status.to_le_bytes());
+        out.extend_from_slice(&(self.states.len() as u32).to_le_bytes());
+        out.extend_from_slice(&self.value.to_le_bytes());
+        out.extend_from_slice(&self.failed.to_le_bytes());
+        out.extend_from_slice(&self.entry.to_le_bytes());
+        for s in &self.states {
+            out.push(s.state);
+            out.push(s.dirty as u8);
+            out.extend_from_slice(&0u16.to_le_bytes());
+            out.extend_from_slice(&s.crc.to_le_bytes());
+        }
+        out.extend_from_slice(&(self.message.len() as u32).to_le_bytes());
+        out.extend_from_slice(self.message.as_bytes());
+        out
+    }
+
+    /// Decodes a reply (the client's side); `b` may be longer than the reply
+    /// (an ioctl buffer): the rest is ignored. Returns the reply and its length.
+    pub fn decode(b: &[u8]) -> Result<(Reply, usize), String> {
+        if b.len() < HEADER_BYTES + 4 {
+            return Err(format!("reply is {} bytes, too short", b.len()));
+        }
+        if u32_at(b, 0) != REPLY_MAGIC {
+            return Err("reply has a bad magic number".into());
+        }
+        if u16_at(b, 4) != VERSION {
+            return Err(format!("reply version {} is not {VERSION}", u16_at(b, 4)));
+        }
+        let count = u32_at(b, 12) as usize;
+        let states_end = count
+            .checked_mul(STATE_ENTRY_BYTES)
+            .and_then(|n| n.checked_add(HEADER_BYTES))
+            .filter(|&n| n + 4 <= b.len())
+            .ok_or("reply is truncated (state entries)")?;
+        let msg_len = u32_at(b, states_end) as usize;
+        let end = states_end + 4 + msg_len;
+        if end > b.len() {
+            return Err("reply is truncated (message)".into());
+        }
+        let states = b[HEADER_BYTES..states_end]
+            .chunks_exact(STATE_ENTRY_BYTES)
+            .map(|c| StateEntry {
+                state: c[0],
+                dirty: c[1] != 0,
+                crc: u32_at(c, 4),
+            })
+            .collect();
+        Ok((
+            Reply {
+                command: u16_at(b, 6),
+                status: u32_at(b, 8),
+                value: u64_at(b, 16),
+                failed: u32_at(b, 24),
+                entry: u32_at(b, 28),
+                states,
+                message: String::from_utf8_lossy(&b[states_end + 4..end]).into_owned(),
+            },
+            end,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn key_strategy() -> impl Strategy<Value = RawKey> {
+        (any::<u32>(), any::<u64>(), any::<u32>(), 0u32..3).prop_map(
+            |(layer, block, head, kind)| RawKey {
+                layer,
+                block,
+                head,
+                kind,
+            },
+        )
+    }
+
+    fn request_strategy() -> impl Strategy<Value = Request> {
+        prop_oneof![
+            Just(Request::Hello),
+            (
+                proptest::collection::vec(any::<u8>(), 0..100),
+                any::<u64>(),
+                any::<u64>()
+            )
+                .prop_map(|(path, len, flags)| Request::Register { path, len, flags }),
+            any::<u32>().prop_map(|region| Request::Unregister { region }),
+            proptest::collection::vec((key_strategy(), any::<u32>(), any::<u64>()), 0..20)
+                .prop_map(|v| {
+                    Request::Restore(
+                        v.into_iter()
+                            .map(|(key, region, offset)| IoEntry {
+                                key,
+                                region,
+                                offset,
+                            })
+                            .collect(),
+                    )
+                }),
+            proptest::collection::vec((key_strategy(), any::<u32>(), any::<u64>()), 0..20)
+                .prop_map(|v| {
+                    Request::Store(
+                        v.into_iter()
+                            .map(|(key, region, offset)| IoEntry {
+                                key,
+                                region,
+                                offset,
+                            })
+                            .collect(),
+                    )
+                }),
+            proptest::collection::vec(key_strategy(), 0..20).prop_map(Request::Query),
+            proptest::collection::vec(key_strategy(), 0..20).prop_map(Request::Prefetch),
+            (any::<u64>(), any::<u64>())
+                .prop_map(|(ticket, timeout_ms)| Request::Wait { ticket, timeout_ms }),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn requests_round_trip(r in request_strategy()) {
+            let b = encode_request(&r);
+            prop_assert_eq!(request_len(&b).unwrap().1, b.len());
+            prop_assert_eq!(decode_request(&b).unwrap(), r);
+        }
+
+        #[test]
+        fn decoding_garbage_never_panics(b in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = decode_request(&b);
+            let _ = request_len(&b);
+            let _ = Reply::decode(&b);
+        }
+
+        #[test]
+        fn mutated_requests_never_panic(r in request_strategy(), at in any::<usize>(), x in any::<u8>(), cut in any::<usize>()) {
+            let mut b = encode_request(&r);
+            if !b.is_empty() {
+                let i = at % b.len();
+                b[i] ^= x;
+                let c = cut % (b.len() + 1);
+                let _ = decode_request(&b[..c]);
+                let _ = decode_request(&b);
+            }
+        }
+
+        #[test]
+        fn replies_round_trip(status in any::<u32>(), value in any::<u64>(), failed in any::<u32>(), entry in any::<u32>(),
+                              states in proptest::collection::vec((0u8..3, any::<bool>(), any::<u32>()), 0..10), message in ".{0,40}") {
+            let r = Reply { command: 6, status, value, failed, entry,
+                states: states.into_iter().map(|(state, dirty, crc)| StateEntry { state, dirty, crc }).collect(), message };
+            let mut b = r.encode();
+            let n = b.len();
+            b.extend_from_slice(&[0xaa; 7]);
+            prop_assert_eq!(Reply::decode(&b).unwrap(), (r, n));
+        }
+    }
+
+    #[test]
+    fn bad_requests_say_why() {
+        let good = encode_request(&Request::Query(vec![RawKey {
+            layer: 1,
+            block: 2,
+            head: 3,
+            kind: 0,
+        }]));
+        assert_eq!(decode_request(&good[..10]), Err(DecodeError::Short(10)));
+        let e = decode_request(&good[..good.len() - 1]).unwrap_err();
+        assert!(e.to_string().contains("needs 56 bytes, got 55"), "{e}");
+        let mut b = good.clone();
+        b[4] = 9;
+        assert_eq!(decode_request(&b), Err(DecodeError::Version(9)));
+        let mut b = good.clone();
+        b[6] = 77;
+        assert_eq!(decode_request(&b), Err(DecodeError::Command(77)));
+        let mut b = good.clone();
+        b[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            decode_request(&b),
+            Err(DecodeError::TooMany { .. })
+        ));
+        let mut b = good;
+        b[0] = b'X';
+        assert!(matches!(decode_request(&b), Err(DecodeError::Magic(_))));
+    }
+
+    #[test]
+    fn ioctl_numbers() {
+        let c = ioctl_cmd(4096);
+        assert_eq!(ioctl_len(c), Some(4096));
+        assert_eq!(ioctl_len(0x5401), None); // TCGETS
+        // _IOWR('K', 1, 32) as C computes it.
+        assert_eq!(ioctl_cmd(32), 0xc020_4b01);
+    }
+}
