@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod cascade;
+pub mod client;
 pub mod control;
 pub mod fs;
 pub mod geometry;

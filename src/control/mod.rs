@@ -600,10 +600,10 @@ impl Session {
         let mut st = self.st.lock();
         // WAITs sent by write(2).
         for i in 0..st.out.len() {
-            if let Out::Wait { ticket, deadline } = st.out[i] {
-                if let Some(r) = st.wait_result(ticket, deadline, now) {
-                    st.out[i] = Out::Ready(r.encode());
-                }
+            if let Out::Wait { ticket, deadline } = st.out[i]
+                && let Some(r) = st.wait_result(ticket, deadline, now)
+            {
+                st.out[i] = Out::Ready(r.encode());
             }
         }
         // WAITs sent by ioctl(2).
@@ -623,7 +623,7 @@ impl Session {
             actions.push(Box::new(move || cb(Ok(b))));
         }
         if st.readable() {
-            actions.extend(st.pollers.drain(..));
+            actions.append(&mut st.pollers);
         }
         drop(st);
         for a in actions {
@@ -906,7 +906,7 @@ impl Session {
         let first = results.iter().position(|r| r.is_err());
         let mut r = Reply::ok(Command::Completion, ticket);
         if let Some(i) = first {
-            let e = results[i].as_ref().err().expect("position found an error");
+            let e = results[i].as_ref().expect_err("position found an error");
             r.status = e.errno() as u32;
             r.failed = failed;
             r.entry = i as u32;

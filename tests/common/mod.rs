@@ -1,0 +1,148 @@
+//! Shared harness of the mounted tests: a kvfs daemon on a temp mount.
+#![allow(dead_code)]
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub const GB: usize = 16 * 64 * 2; // block_tokens × head_dim × bf16
+
+pub fn kvfs() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvfs"))
+}
+
+pub fn can_mount() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root || !Path::new("/dev/fuse").exists() {
+        eprintln!("skipped: mounting needs root and /dev/fuse");
+        return false;
+    }
+    true
+}
+
+pub struct Mount {
+    pub mp: PathBuf,
+    pub backing: PathBuf,
+    _dirs: (tempfile::TempDir, tempfile::TempDir),
+}
+
+impl Mount {
+    pub fn new(extra: &[&str]) -> Mount {
+        let m = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let mount = Mount {
+            mp: m.path().to_path_buf(),
+            backing: b.path().join("store"),
+            _dirs: (m, b),
+        };
+        mount.mount(extra);
+        mount
+    }
+
+    pub fn mount(&self, extra: &[&str]) {
+        let mut args: Vec<&str> = vec!["--t1", "64KiB"];
+        if !extra
+            .iter()
+            .any(|a| a.starts_with("--preset") || a.starts_with("--layers"))
+        {
+            args.extend([
+                "--layers",
+                "2",
+                "--blocks",
+                "8",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "64",
+                "--block-tokens",
+                "16",
+                "--dtype",
+                "bf16",
+            ]);
+        }
+        args.extend(extra);
+        let out = kvfs()
+            .arg("mount")
+            .arg(&self.mp)
+            .arg("--backing")
+            .arg(&self.backing)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "mount failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    pub fn p(&self, rel: &str) -> PathBuf {
+        self.mp.join(rel)
+    }
+
+    pub fn umount(&self) {
+        let out = kvfs().arg("umount").arg(&self.mp).output().unwrap();
+        assert!(
+            out.status.success(),
+            "umount failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    pub fn stats(&self) -> String {
+        fs::read_to_string(self.p(".kvfs/stats")).unwrap()
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if is_mounted(&self.mp) {
+            let _ = kvfs().arg("umount").arg(&self.mp).output();
+        }
+        if is_mounted(&self.mp) {
+            let _ = Command::new("umount").arg("-l").arg(&self.mp).status();
+        }
+    }
+}
+
+pub fn is_mounted(mp: &Path) -> bool {
+    let canon = fs::canonicalize(mp).unwrap_or(mp.to_path_buf());
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(canon.to_str().unwrap()))
+}
+
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+pub fn errno_of(r: std::io::Result<impl Sized>) -> i32 {
+    r.err().and_then(|e| e.raw_os_error()).unwrap_or(0)
+}
+
+pub fn xattr(path: &Path, name: &str) -> Option<String> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    let n = std::ffi::CString::new(name).unwrap();
+    let mut buf = [0u8; 256];
+    // SAFETY: valid C strings and a buffer of the length passed.
+    let r = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    (r >= 0).then(|| String::from_utf8_lossy(&buf[..r as usize]).into_owned())
+}
+
+pub fn names(dir: &Path) -> BTreeSet<String> {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect()
+}

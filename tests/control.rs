@@ -1,0 +1,473 @@
+//! The control file through a real mount: round trips, batches, rejections,
+//! isolation between fds, concurrency (root and /dev/fuse needed).
+
+mod common;
+use common::*;
+
+use kvfs::client::{Client, Transport};
+use kvfs::control::wire::{self, Request};
+use kvfs::geometry::{GroupKey, Kind};
+use std::fs;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+
+/// 4 layers × 512 blocks × 2 heads × {K,V} = 8192 groups of 2 KiB; T1 32 slots.
+const BIG: &[&str] = &[
+    "--layers",
+    "4",
+    "--blocks",
+    "512",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "64",
+    "--block-tokens",
+    "16",
+    "--dtype",
+    "bf16",
+];
+
+fn key(i: u64) -> GroupKey {
+    // Spread over the layout: layer-major order as the geometry numbers groups.
+    let kind = if i.is_multiple_of(2) {
+        Kind::K
+    } else {
+        Kind::V
+    };
+    let i = i / 2;
+    GroupKey::new((i / 1024) as u32, i / 2 % 512, (i % 2) as u32, kind)
+}
+
+fn path(k: &GroupKey) -> String {
+    k.to_string()
+}
+
+struct ShmRegion {
+    file: tempfile::NamedTempFile,
+    len: u64,
+}
+
+impl ShmRegion {
+    fn new(len: u64) -> ShmRegion {
+        let file = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
+        file.as_file().set_len(len).unwrap();
+        ShmRegion { file, len }
+    }
+    fn path(&self) -> PathBuf {
+        self.file.path().to_path_buf()
+    }
+    fn read(&self, off: u64, len: usize) -> Vec<u8> {
+        let mut b = vec![0u8; len];
+        self.file.as_file().read_exact_at(&mut b, off).unwrap();
+        b
+    }
+    fn write(&self, off: u64, data: &[u8]) {
+        self.file.as_file().write_all_at(data, off).unwrap();
+    }
+}
+
+fn errno(r: Result<impl std::fmt::Debug, kvfs::client::ClientError>) -> (i32, Option<u32>, String) {
+    match r {
+        Err(kvfs::client::ClientError::Refused {
+            errno,
+            entry,
+            message,
+        }) => (errno, entry, message),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn store_and_restore_round_trip_against_file_reads() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(BIG);
+    for transport in [Transport::Auto, Transport::WriteRead] {
+        let c = Client::open(&m.mp).unwrap().with_transport(transport);
+        let (version, layout) = c.hello().unwrap();
+        assert_eq!(version, 1);
+        assert!(layout.contains("\"groups\":8192"), "{layout}");
+        for n in [1u64, 4096] {
+            let seed = n * 7 + (transport == Transport::Auto) as u64;
+            let src = ShmRegion::new(n * GB as u64);
+            for i in 0..n {
+                src.write(i * GB as u64, &pattern(seed + i, GB));
+            }
+            let r = c.register_host_region(&src.path(), src.len).unwrap();
+            let entries: Vec<_> = (0..n).map(|i| (key(i * 2 + 1), r, i * GB as u64)).collect();
+            let t = c.store(&entries).unwrap();
+            c.wait(t, None).unwrap();
+            // Every stored group reads back through the filesystem.
+            for i in (0..n).step_by(97) {
+                assert_eq!(
+                    fs::read(m.p(&path(&key(i * 2 + 1)))).unwrap(),
+                    pattern(seed + i, GB),
+                    "group {i}"
+                );
+            }
+            // Restore into a second region, in reverse order; T1 holds 32, so
+            // most are misses from the backing and a few are hits.
+            let dst = ShmRegion::new(n * GB as u64);
+            let r2 = c.register_host_region(&dst.path(), dst.len).unwrap();
+            let entries: Vec<_> = (0..n)
+                .map(|i| (key(i * 2 + 1), r2, (n - 1 - i) * GB as u64))
+                .collect();
+            let t = c.restore(&entries).unwrap();
+            c.wait(t, None).unwrap();
+            for i in 0..n {
+                let got = dst.read((n - 1 - i) * GB as u64, GB);
+                assert_eq!(
+                    got,
+                    fs::read(m.p(&path(&key(i * 2 + 1)))).unwrap(),
+                    "restore of group {i}"
+                );
+            }
+            c.unregister(r).unwrap();
+            c.unregister(r2).unwrap();
+        }
+    }
+    let s = m.stats();
+    assert!(
+        s.contains("kvfs_control_requests_total{command=\"restore\"} 4"),
+        "{s}"
+    );
+    assert!(
+        s.contains("kvfs_control_ticket_latency_seconds_count{op=\"restore\"} 4"),
+        "{s}"
+    );
+}
+
+#[test]
+fn hits_and_misses_in_one_batch_and_query_prefetch() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(BIG);
+    let c = Client::open(&m.mp).unwrap();
+    // 64 groups written through files: the first 32+ are evicted to the backing.
+    for i in 0..64 {
+        fs::write(m.p(&path(&key(i))), pattern(i, GB)).unwrap();
+    }
+    let states = c.query(&(0..64).map(key).collect::<Vec<_>>()).unwrap();
+    let in_t1 = states.iter().filter(|s| s.state == wire::STATE_T1).count();
+    let in_backing = states
+        .iter()
+        .filter(|s| s.state == wire::STATE_BACKING)
+        .count();
+    assert!(
+        in_t1 > 0 && in_backing > 0,
+        "t1 {in_t1}, backing {in_backing}"
+    );
+    let dst = ShmRegion::new(64 * GB as u64);
+    let r = c.register_host_region(&dst.path(), dst.len).unwrap();
+    let t = c
+        .restore(
+            &(0..64)
+                .map(|i| (key(i), r, i * GB as u64))
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+    c.wait(t, None).unwrap();
+    for i in 0..64 {
+        assert_eq!(dst.read(i * GB as u64, GB), pattern(i, GB), "group {i}");
+    }
+    // A never-written group restores as zeros and queries as empty.
+    let q = c.query(&[key(5000)]).unwrap();
+    assert_eq!((q[0].state, q[0].dirty), (wire::STATE_EMPTY, false));
+    // PREFETCH brings backing groups into T1, and resident/ shows them.
+    let cold: Vec<GroupKey> = (0..64)
+        .map(key)
+        .zip(&states)
+        .filter(|(_, s)| s.state == wire::STATE_BACKING)
+        .map(|(k, _)| k)
+        .take(3)
+        .collect();
+    for k in &cold {
+        let name = format!("L{}.B{}.H{}.{}", k.layer, k.block, k.head, k.kind.letter());
+        assert!(!names(&m.p(".kvfs/resident")).contains(&name));
+    }
+    let t = c.prefetch(&cold).unwrap();
+    c.wait(t, None).unwrap();
+    let res = names(&m.p(".kvfs/resident"));
+    for k in &cold {
+        let name = format!("L{}.B{}.H{}.{}", k.layer, k.block, k.head, k.kind.letter());
+        assert!(res.contains(&name), "{name} not resident after prefetch");
+        assert_eq!(c.query(&[*k]).unwrap()[0].state, wire::STATE_T1);
+    }
+    // A STORE invalidates pages the kernel cached for the group.
+    let g = m.p(&path(&key(0)));
+    let f = fs::File::open(&g).unwrap();
+    let mut before = vec![0u8; GB];
+    f.read_exact_at(&mut before, 0).unwrap();
+    dst.write(0, &pattern(999, GB));
+    let t = c.store(&[(key(0), r, 0)]).unwrap();
+    c.wait(t, None).unwrap();
+    let mut after = vec![0u8; GB];
+    f.read_exact_at(&mut after, 0).unwrap();
+    assert_eq!(
+        after,
+        pattern(999, GB),
+        "a kept-open fd saw stale cached bytes after STORE"
+    );
+}
+
+#[test]
+fn every_bad_request_is_refused_and_the_daemon_still_serves() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(BIG);
+    let c = Client::open(&m.mp).unwrap();
+    let reg = ShmRegion::new(4 * GB as u64);
+    let r = c.register_host_region(&reg.path(), reg.len).unwrap();
+    let ok = |c: &Client| {
+        let t = c.store(&[(key(3), r, 0)]).unwrap();
+        c.wait(t, None).unwrap();
+        let t = c.restore(&[(key(3), r, GB as u64)]).unwrap();
+        c.wait(t, None).unwrap();
+        assert_eq!(reg.read(0, GB), reg.read(GB as u64, GB));
+    };
+    reg.write(0, &pattern(1, GB));
+    ok(&c);
+    // Keys outside the geometry, naming the entry.
+    let (e, entry, msg) = errno(c.restore(&[
+        (key(0), r, 0),
+        (GroupKey::new(4, 0, 0, Kind::K), r, GB as u64),
+    ]));
+    assert_eq!((e, entry), (libc::ERANGE, Some(1)), "{msg}");
+    assert!(msg.contains("layer 4 is out of range"), "{msg}");
+    let (e, _, msg) = errno(c.restore(&[(GroupKey::new(0, 512, 0, Kind::K), r, 0)]));
+    assert!(e == libc::ERANGE && msg.contains("block"), "{msg}");
+    // Unknown region, out-of-bounds and overflowing offsets, overlaps.
+    assert_eq!(errno(c.restore(&[(key(0), r + 7, 0)])).0, libc::EBADF);
+    let (e, entry, msg) = errno(c.restore(&[(key(0), r, 0), (key(1), r, 3 * GB as u64 + 1)]));
+    assert_eq!((e, entry), (libc::EFAULT, Some(1)), "{msg}");
+    assert_eq!(errno(c.store(&[(key(0), r, u64::MAX - 5)])).0, libc::EFAULT);
+    let (e, entry, msg) = errno(c.restore(&[(key(0), r, 0), (key(1), r, GB as u64 / 2)]));
+    assert_eq!((e, entry), (libc::EINVAL, Some(1)), "{msg}");
+    assert!(msg.contains("overlapping"), "{msg}");
+    // Nothing of a refused batch ran: group 0 is still empty.
+    assert_eq!(c.query(&[key(0)]).unwrap()[0].state, wire::STATE_EMPTY);
+    // Bad kind.
+    let mut raw = wire::encode_request(&Request::Query(vec![wire::RawKey {
+        layer: 0,
+        block: 0,
+        head: 0,
+        kind: 2,
+    }]));
+    let rep = c.call_bytes(&raw).unwrap();
+    assert_eq!(rep.status as i32, libc::EINVAL, "{}", rep.message);
+    // Unknown command, wrong version, bad magic: EINVAL with a message.
+    raw[6] = 99;
+    let rep = c.call_bytes(&raw).unwrap();
+    assert!(
+        rep.status as i32 == libc::EINVAL && rep.message.contains("unknown command 99"),
+        "{}",
+        rep.message
+    );
+    let mut v = wire::encode_request(&Request::Hello);
+    v[4] = 7;
+    let rep = c.call_bytes(&v).unwrap();
+    assert!(
+        rep.status as i32 == libc::EINVAL && rep.message.contains("version 7"),
+        "{}",
+        rep.message
+    );
+    let rep = c.call_bytes(b"GARBAGE-GARBAGE-GARBAGE-GARBAGE-!").unwrap();
+    assert!(
+        rep.status as i32 == libc::EINVAL && rep.message.contains("magic"),
+        "{}",
+        rep.message
+    );
+    // A truncated request (write, then read before the rest comes).
+    let full = wire::encode_request(&Request::Query(vec![wire::RawKey {
+        layer: 0,
+        block: 0,
+        head: 0,
+        kind: 0,
+    }]));
+    let rep = c.call_bytes(&full[..40]).unwrap();
+    assert!(
+        rep.status as i32 == libc::EINVAL && rep.message.contains("truncated"),
+        "{}",
+        rep.message
+    );
+    // An oversized count.
+    let mut big = wire::encode_request(&Request::Query(vec![]));
+    big[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+    let rep = c.call_bytes(&big).unwrap();
+    assert!(
+        rep.status as i32 == libc::EINVAL && rep.message.contains("too many"),
+        "{}",
+        rep.message
+    );
+    // Unknown ioctl numbers are ENOTTY; a WAIT for an unknown ticket is EINVAL.
+    // SAFETY: TCGETS into a buffer large enough for a termios.
+    let e = unsafe { libc::ioctl(c.fd(), libc::TCGETS, [0u8; 128].as_mut_ptr()) };
+    assert!(e < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOTTY));
+    assert_eq!(errno(c.wait(12345, None)).0, libc::EINVAL);
+    // REGISTER of things that are not the client's regular files.
+    let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(reg.path(), &link).unwrap();
+    let short = ShmRegion::new(100);
+    for (p, len, want, why) in [
+        (PathBuf::from("relative/path"), 10, libc::EINVAL, "absolute"),
+        (
+            PathBuf::from("/dev/null"),
+            10,
+            libc::EINVAL,
+            "not a regular file",
+        ),
+        (dir.path().to_path_buf(), 10, libc::EISDIR, ""),
+        (link.clone(), 10, libc::ELOOP, "symbolic link"),
+        (
+            PathBuf::from("/dev/shm/kvfs-no-such-file"),
+            10,
+            libc::ENOENT,
+            "",
+        ),
+        (short.path(), 4096, libc::EINVAL, "shorter"),
+        (reg.path(), 0, libc::EINVAL, "at least 1"),
+    ] {
+        let (e, _, msg) = errno(c.register_host_region(&p, len));
+        assert!(
+            e == want && msg.contains(why),
+            "{}: errno {e}: {msg}",
+            p.display()
+        );
+    }
+    // Unregister twice.
+    let r9 = c.register_host_region(&reg.path(), reg.len).unwrap();
+    c.unregister(r9).unwrap();
+    assert_eq!(errno(c.unregister(r9)).0, libc::EBADF);
+    // After all of that, everything still works.
+    reg.write(0, &pattern(2, GB));
+    ok(&c);
+    let s = m.stats();
+    assert!(
+        s.contains("kvfs_control_rejected_total{command=\"restore\"}"),
+        "{s}"
+    );
+}
+
+#[test]
+fn fds_cannot_use_each_others_regions() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(BIG);
+    let a = Client::open(&m.mp).unwrap();
+    let b = Client::open(&m.mp).unwrap();
+    let ra = ShmRegion::new(GB as u64);
+    let rb = ShmRegion::new(GB as u64);
+    let ida = a.register_host_region(&ra.path(), ra.len).unwrap();
+    let idb = b.register_host_region(&rb.path(), rb.len).unwrap();
+    assert_eq!(ida, idb, "ids are per fd, so both are the first");
+    // b's id 1 on a's fd names a's region, never b's; an id b never got is refused.
+    assert_eq!(errno(b.restore(&[(key(0), idb + 1, 0)])).0, libc::EBADF);
+    assert_eq!(errno(a.unregister(ida + 1)).0, libc::EBADF);
+    rb.write(0, &pattern(5, GB));
+    let t = b.store(&[(key(9), idb, 0)]).unwrap();
+    b.wait(t, None).unwrap();
+    // a cannot wait on b's ticket.
+    assert_eq!(
+        errno(a.wait(t, Some(std::time::Duration::from_millis(10)))).0,
+        libc::EINVAL
+    );
+    let t = a.restore(&[(key(9), ida, 0)]).unwrap();
+    a.wait(t, None).unwrap();
+    assert_eq!(ra.read(0, GB), pattern(5, GB));
+    // Closing b releases its regions; a is unaffected.
+    drop(b);
+    let t = a.restore(&[(key(9), ida, 0)]).unwrap();
+    a.wait(t, None).unwrap();
+}
+
+#[test]
+fn many_tickets_in_flight_and_completions_by_poll() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(BIG);
+    let c = Client::open(&m.mp).unwrap().with_transport(Transport::Auto);
+    let n = 256u64;
+    let src = ShmRegion::new(n * GB as u64);
+    for i in 0..n {
+        src.write(i * GB as u64, &pattern(i + 40, GB));
+    }
+    let r = c.register_host_region(&src.path(), src.len).unwrap();
+    let tickets: Vec<u64> = (0..n)
+        .map(|i| c.store(&[(key(i), r, i * GB as u64)]).unwrap())
+        .collect();
+    for t in tickets.iter().rev() {
+        c.wait(*t, Some(std::time::Duration::from_secs(60)))
+            .unwrap();
+    }
+    // Restores collected through poll(2) + read(2) completion records.
+    let dst = ShmRegion::new(n * GB as u64);
+    let r2 = c.register_host_region(&dst.path(), dst.len).unwrap();
+    let mut pending: std::collections::BTreeSet<u64> = (0..n)
+        .map(|i| c.restore(&[(key(i), r2, i * GB as u64)]).unwrap())
+        .collect();
+    while !pending.is_empty() {
+        let mut pfd = libc::pollfd {
+            fd: c.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd we own.
+        let rc = unsafe { libc::poll(&mut pfd, 1, 10_000) };
+        assert!(
+            rc == 1 && pfd.revents & libc::POLLIN != 0,
+            "poll said {rc} / {:#x}",
+            pfd.revents
+        );
+        let done = c.next_completion().unwrap();
+        assert_eq!(done.status, 0, "{}", done.message);
+        assert!(
+            pending.remove(&done.ticket),
+            "unexpected ticket {}",
+            done.ticket
+        );
+    }
+    for i in 0..n {
+        assert_eq!(
+            dst.read(i * GB as u64, GB),
+            pattern(i + 40, GB),
+            "group {i}"
+        );
+    }
+    // Threads sharing one client.
+    let c = std::sync::Arc::new(c);
+    let hs: Vec<_> = (0..4u64)
+        .map(|t| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                for i in 0..32 {
+                    let g = t * 32 + i;
+                    let tk = c.restore(&[(key(g), r2, g * GB as u64)]).unwrap();
+                    c.wait(tk, None).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in hs {
+        h.join().unwrap();
+    }
+}
+
+#[test]
+fn control_file_is_owner_only() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(BIG);
+    use std::os::unix::fs::MetadataExt;
+    let md = fs::metadata(m.p(".kvfs/control")).unwrap();
+    assert_eq!(md.mode() & 0o777, 0o600);
+    // SAFETY: getuid has no preconditions.
+    assert_eq!(md.uid(), unsafe { libc::getuid() });
+    assert!(names(&m.p(".kvfs")).contains("control"));
+}
