@@ -1,0 +1,176 @@
+"""kvfs control-file client, standard library only.
+
+    from kvfs_client import Kvfs
+    with Kvfs("/mnt/kv") as kv:
+        r = kv.register_host_region("/dev/shm/kv-region", 1 << 20)
+        kv.store([(3, 17, 0, "K", r, 0)])            # region bytes -> group L3/B17/H0/K
+        kv.restore([(3, 17, 0, "K", r, 8192)])       # group -> region offset 8192
+        print(kv.query([(3, 17, 0, "K")]))           # [('t1', True)]
+
+Every request travels as write(2) of a request record and read(2) of its
+reply (the wire format is specified in kvfs's README.md). Failures raise
+KvfsError with .errno, .entry (the offending entry's index, or None) and a
+message from the daemon.
+"""
+
+import json
+import os
+import struct
+import threading
+
+REQUEST_MAGIC = struct.unpack("<I", b"KVFQ")[0]
+REPLY_MAGIC = struct.unpack("<I", b"KVFR")[0]
+VERSION = 1
+HELLO, REGISTER, UNREGISTER, RESTORE, STORE, QUERY, PREFETCH, WAIT, COMPLETION = range(1, 10)
+NO_ENTRY = 0xFFFFFFFF
+FOREVER = 0xFFFFFFFFFFFFFFFF
+STATES = {0: "empty", 1: "backing", 2: "t1"}
+_HEADER = struct.Struct("<IHHIIQQ")     # magic, version, command, count, reserved, arg0, arg1
+_REPLY = struct.Struct("<IHHIIQII")     # magic, version, command, status, count, value, failed, entry
+_IO_ENTRY = struct.Struct("<QIIIIQ")    # block, layer, head, kind, region, offset
+_KEY_ENTRY = struct.Struct("<QIIII")    # block, layer, head, kind, pad
+_STATE = struct.Struct("<BBHI")         # state, dirty, pad, crc32c
+
+
+class KvfsError(OSError):
+    """A request or ticket kvfs refused or failed."""
+
+    def __init__(self, errno, message, entry=None):
+        super().__init__(errno, message)
+        self.entry = entry
+        self.message = message
+
+    def __str__(self):
+        where = "" if self.entry is None else f" (entry {self.entry})"
+        return f"[errno {self.errno}] {self.message}{where}"
+
+
+def _kind(k):
+    if k in ("K", "k", 0):
+        return 0
+    if k in ("V", "v", 1):
+        return 1
+    raise ValueError(f"kind must be 'K' or 'V', not {k!r}")
+
+
+class Kvfs:
+    """One session (one open fd) of MOUNT/.kvfs/control."""
+
+    def __init__(self, mountpoint):
+        self.mountpoint = os.fspath(mountpoint)
+        self._fd = os.open(os.path.join(self.mountpoint, ".kvfs", "control"), os.O_RDWR | os.O_CLOEXEC)
+        self._lock = threading.Lock()
+        version, layout = self._call(HELLO)
+        self.version = version
+        self.layout = json.loads(layout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def fileno(self):
+        return self._fd
+
+    def close(self):
+        """Closes the session; in-flight work finishes, then its regions go."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    # --- transport -------------------------------------------------------
+
+    def _read_exact(self, n, buf):
+        while len(buf) < n:
+            chunk = os.read(self._fd, max(n - len(buf), 4096))
+            buf += chunk  # an empty read ends one read(2); just read again
+        return buf
+
+    def _read_reply(self):
+        buf = self._read_exact(_REPLY.size + 4, b"")
+        magic, version, command, status, count, value, failed, entry = _REPLY.unpack_from(buf)
+        if magic != REPLY_MAGIC or version != VERSION:
+            raise KvfsError(71, "bad reply from kvfs (magic or version)")  # EPROTO
+        states_end = _REPLY.size + count * _STATE.size
+        buf = self._read_exact(states_end + 4, buf)
+        (msg_len,) = struct.unpack_from("<I", buf, states_end)
+        buf = self._read_exact(states_end + 4 + msg_len, buf)
+        states = [_STATE.unpack_from(buf, _REPLY.size + i * _STATE.size) for i in range(count)]
+        message = buf[states_end + 4:states_end + 4 + msg_len].decode("utf-8", "replace")
+        return command, status, value, failed, entry, states, message
+
+    def _send(self, command, count=0, arg0=0, arg1=0, body=b""):
+        req = _HEADER.pack(REQUEST_MAGIC, VERSION, command, count, 0, arg0, arg1) + body
+        view = memoryview(req)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+
+    def _call(self, command, count=0, arg0=0, arg1=0, body=b"", states=False):
+        with self._lock:
+            self._send(command, count, arg0, arg1, body)
+            _, status, value, _, entry, st, message = self._read_reply()
+        if status:
+            raise KvfsError(status, message, None if entry == NO_ENTRY else entry)
+        if states:
+            return st
+        return value, message
+
+    # --- API -------------------------------------------------------------
+
+    def register_host_region(self, path, size):
+        """Registers `size` bytes of a regular file (e.g. in /dev/shm) as a region of this fd."""
+        p = os.path.abspath(os.fspath(path)).encode()
+        value, _ = self._call(REGISTER, len(p), 0, size, p)
+        return value
+
+    def unregister(self, region):
+        self._call(UNREGISTER, 0, region)
+
+    def _io_body(self, entries):
+        parts = []
+        for layer, block, head, kind, region, offset in entries:
+            parts.append(_IO_ENTRY.pack(block, layer, head, _kind(kind), region, offset))
+        return b"".join(parts)
+
+    def _key_body(self, keys):
+        return b"".join(_KEY_ENTRY.pack(b, l, h, _kind(k), 0) for l, b, h, k in keys)
+
+    def restore(self, entries, wait=True):
+        """Restores groups into regions. entries: (layer, block, head, 'K'|'V', region, offset).
+        Returns the ticket (after it finished, when wait is true)."""
+        entries = list(entries)
+        ticket, _ = self._call(RESTORE, len(entries), body=self._io_body(entries))
+        if wait:
+            self.wait(ticket)
+        return ticket
+
+    def store(self, entries, wait=True):
+        """Makes region bytes the groups' contents. Same entries as restore."""
+        entries = list(entries)
+        ticket, _ = self._call(STORE, len(entries), body=self._io_body(entries))
+        if wait:
+            self.wait(ticket)
+        return ticket
+
+    def prefetch(self, keys, wait=True):
+        """Brings groups into T1. keys: (layer, block, head, 'K'|'V')."""
+        keys = list(keys)
+        ticket, _ = self._call(PREFETCH, len(keys), body=self._key_body(keys))
+        if wait:
+            self.wait(ticket)
+        return ticket
+
+    def query(self, keys):
+        """[(state, dirty)] per key, state one of 't1', 'backing', 'empty'."""
+        keys = list(keys)
+        st = self._call(QUERY, len(keys), body=self._key_body(keys), states=True)
+        return [(STATES.get(s, "unknown"), bool(d)) for s, d, _, _ in st]
+
+    def wait(self, ticket, timeout=None):
+        """Waits for a ticket (timeout in seconds; None: forever). Raises
+        KvfsError if any entry failed or the timeout passed."""
+        ms = FOREVER if timeout is None else max(0, int(timeout * 1000))
+        self._call(WAIT, 0, ticket, ms)
+        return ticket

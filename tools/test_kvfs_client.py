@@ -1,0 +1,165 @@
+"""Tests of tools/kvfs_client.py against a running mount (KVFS_MOUNT).
+
+Run by `cargo test --release` (tests/python.rs mounts kvfs and runs this);
+alone: KVFS_MOUNT=/mnt/kv python3 tools/test_kvfs_client.py
+"""
+
+import errno
+import json
+import os
+import sys
+import tempfile
+import threading
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kvfs_client import Kvfs, KvfsError  # noqa: E402
+
+MOUNT = os.environ.get("KVFS_MOUNT")
+
+
+def pattern(seed, n):
+    x = (seed * 2654435761 + 12345) & 0xFFFFFFFF
+    out = bytearray(n)
+    for i in range(n):
+        x = (x * 1103515245 + 12345) & 0xFFFFFFFF
+        out[i] = x >> 24
+    return bytes(out)
+
+
+class Region:
+    def __init__(self, size):
+        fd, self.path = tempfile.mkstemp(dir="/dev/shm", prefix="kvfs-py-")
+        os.ftruncate(fd, size)
+        self.fd = fd
+        self.size = size
+
+    def write(self, off, data):
+        os.pwrite(self.fd, data, off)
+
+    def read(self, off, n):
+        return os.pread(self.fd, n, off)
+
+    def close(self):
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+@unittest.skipUnless(MOUNT, "KVFS_MOUNT is not set")
+class ClientTest(unittest.TestCase):
+    def setUp(self):
+        self.kv = Kvfs(MOUNT)
+        self.gb = self.kv.layout["group_bytes"]
+        self.regions = []
+
+    def tearDown(self):
+        self.kv.close()
+        for r in self.regions:
+            r.close()
+
+    def region(self, n):
+        r = Region(n * self.gb)
+        self.regions.append(r)
+        return r
+
+    def group_path(self, l, b, h, k):
+        return os.path.join(MOUNT, f"L{l}", f"B{b}", f"H{h}", k)
+
+    def test_layout(self):
+        with open(os.path.join(MOUNT, ".kvfs", "layout")) as f:
+            self.assertEqual(json.load(f)["groups"], self.kv.layout["groups"])
+        self.assertEqual(self.kv.version, 1)
+
+    def test_store_restore_round_trip(self):
+        n = 64
+        src = self.region(n)
+        keys = [(l, b, h, k) for l in range(2) for b in range(8) for h in range(2) for k in "KV"]
+        for i in range(n):
+            src.write(i * self.gb, pattern(i + 100, self.gb))
+        r = self.kv.register_host_region(src.path, src.size)
+        self.kv.store([k + (r, i * self.gb) for i, k in enumerate(keys)])
+        for i, k in enumerate(keys):
+            with open(self.group_path(*k), "rb") as f:
+                self.assertEqual(f.read(), pattern(i + 100, self.gb), k)
+        dst = self.region(n)
+        r2 = self.kv.register_host_region(dst.path, dst.size)
+        t = self.kv.restore([k + (r2, (n - 1 - i) * self.gb) for i, k in enumerate(keys)], wait=False)
+        self.assertEqual(self.kv.wait(t, timeout=30), t)
+        for i, k in enumerate(keys):
+            with open(self.group_path(*k), "rb") as f:
+                self.assertEqual(dst.read((n - 1 - i) * self.gb, self.gb), f.read())
+        states = self.kv.query(keys[:3] + [(1, 7, 1, "V")])
+        self.assertIn(states[0][0], ("t1", "backing"))
+        self.assertEqual(states[-1], ("empty", False))
+        self.kv.unregister(r)
+        self.kv.unregister(r2)
+
+    def test_prefetch_shows_in_resident(self):
+        src = self.region(1)
+        src.write(0, pattern(7, self.gb))
+        r = self.kv.register_host_region(src.path, src.size)
+        self.kv.store([(1, 3, 1, "K", r, 0)])
+        # Push it out of T1 by writing many other groups.
+        for b in range(8):
+            for h in range(2):
+                with open(self.group_path(0, b, h, "V"), "r+b") as f:
+                    f.write(pattern(b * 2 + h, self.gb))
+        self.kv.prefetch([(1, 3, 1, "K")])
+        self.assertIn("L1.B3.H1.K", os.listdir(os.path.join(MOUNT, ".kvfs", "resident")))
+        self.assertEqual(self.kv.query([(1, 3, 1, "K")])[0][0], "t1")
+
+    def test_errors(self):
+        r = self.kv.register_host_region(self.region(2).path, 2 * self.gb)
+        with self.assertRaises(KvfsError) as e:
+            self.kv.restore([(0, 0, 0, "K", r, 0), (99, 0, 0, "K", r, self.gb)])
+        self.assertEqual(e.exception.errno, errno.ERANGE)
+        self.assertEqual(e.exception.entry, 1)
+        self.assertIn("layer 99", e.exception.message)
+        with self.assertRaises(KvfsError) as e:
+            self.kv.restore([(0, 0, 0, "K", r, self.gb + 1)])
+        self.assertEqual(e.exception.errno, errno.EFAULT)
+        with self.assertRaises(KvfsError) as e:
+            self.kv.restore([(0, 0, 0, "K", r + 50, 0)])
+        self.assertEqual(e.exception.errno, errno.EBADF)
+        with self.assertRaises(KvfsError) as e:
+            self.kv.register_host_region("/dev/null", 10)
+        self.assertEqual(e.exception.errno, errno.EINVAL)
+        with self.assertRaises(KvfsError) as e:
+            self.kv.wait(987654, timeout=0.01)
+        self.assertEqual(e.exception.errno, errno.EINVAL)
+        with self.assertRaises(ValueError):
+            self.kv.restore([(0, 0, 0, "X", r, 0)])
+        # Still serving.
+        self.kv.restore([(0, 0, 0, "K", r, 0)])
+
+    def test_other_session_cannot_use_my_region(self):
+        r = self.kv.register_host_region(self.region(1).path, self.gb)
+        with Kvfs(MOUNT) as other:
+            with self.assertRaises(KvfsError) as e:
+                other.restore([(0, 0, 0, "K", r + 1, 0)])
+            self.assertEqual(e.exception.errno, errno.EBADF)
+
+    def test_threads_share_a_session(self):
+        dst = self.region(32)
+        r = self.kv.register_host_region(dst.path, dst.size)
+        errors = []
+
+        def work(t):
+            try:
+                for i in range(8):
+                    g = t * 8 + i
+                    self.kv.restore([(0, g % 8, g // 16 % 2, "KV"[g % 2], r, g * self.gb)])
+            except Exception as ex:  # noqa: BLE001
+                errors.append(ex)
+
+        ts = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        self.assertEqual(errors, [])
+
+
+if __name__ == "__main__":
+    result = unittest.main(exit=False, verbosity=2).result
+    sys.exit(0 if result.wasSuccessful() and not result.skipped else 1)
