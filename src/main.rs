@@ -43,10 +43,33 @@ enum Cmd {
     /// Write back every dirty group and make it durable (the kernel does not
     /// pass sync(2)/syncfs(2) on to FUSE filesystems; this does the same job).
     Sync { mountpoint: PathBuf },
+    /// Talk to a mount's control file from the shell.
+    Ctl {
+        mountpoint: PathBuf,
+        #[command(subcommand)]
+        what: CtlCmd,
+    },
     /// Benchmarks that print their figure next to a baseline from the same run.
     Bench {
         #[command(subcommand)]
         what: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum CtlCmd {
+    /// Protocol version and geometry.
+    Hello,
+    /// Where each group is (t1, backing, empty), whether it is dirty, its crc32c.
+    Query {
+        /// Group names, e.g. L3/B17/H0/K.
+        #[arg(required = true)]
+        groups: Vec<String>,
+    },
+    /// Bring groups into T1 and wait until they are there.
+    Prefetch {
+        #[arg(required = true)]
+        groups: Vec<String>,
     },
 }
 
@@ -131,6 +154,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Umount { mountpoint } => cli::mount::umount(&mountpoint)?,
         Cmd::Stat { mountpoint } => cli::mount::stat(&mountpoint)?,
         Cmd::Sync { mountpoint } => cli::mount::flush(&mountpoint)?,
+        Cmd::Ctl { mountpoint, what } => ctl(&mountpoint, what)?,
         Cmd::Bench { what } => match what {
             BenchCmd::Fuse {
                 dir,
@@ -173,6 +197,50 @@ fn run(cli: Cli) -> Result<()> {
                 })?;
             }
         },
+    }
+    Ok(())
+}
+
+fn ctl(mount: &std::path::Path, what: CtlCmd) -> Result<()> {
+    use anyhow::Context;
+    let c = kvfs::client::Client::open(mount)
+        .with_context(|| format!("cannot open {}/.kvfs/control (is it a kvfs mount?)", mount.display()))?;
+    let parse = |names: &[String]| -> Result<Vec<kvfs::geometry::GroupKey>> {
+        names
+            .iter()
+            .map(|n| {
+                kvfs::geometry::parse_group_name(n).map_err(|e| anyhow::anyhow!("{n:?} is not a group name: {e}"))
+            })
+            .collect()
+    };
+    match what {
+        CtlCmd::Hello => {
+            let (v, layout) = c.hello()?;
+            println!("protocol {v}\n{layout}");
+        }
+        CtlCmd::Query { groups } => {
+            let keys = parse(&groups)?;
+            let states = c.query(&keys)?;
+            for (k, s) in keys.iter().zip(states) {
+                let state = match s.state {
+                    kvfs::control::wire::STATE_T1 => "t1",
+                    kvfs::control::wire::STATE_BACKING => "backing",
+                    _ => "empty",
+                };
+                let crc = if s.state == kvfs::control::wire::STATE_EMPTY {
+                    "-".to_string()
+                } else {
+                    format!("{:08x}", s.crc)
+                };
+                println!("{k}\t{state}\tdirty={}\tbacking_crc32c={crc}", s.dirty as u8);
+            }
+        }
+        CtlCmd::Prefetch { groups } => {
+            let keys = parse(&groups)?;
+            let t = c.prefetch(&keys)?;
+            c.wait(t, None)?;
+            println!("{} groups in T1", keys.len());
+        }
     }
     Ok(())
 }

@@ -471,3 +471,22 @@ fn control_file_is_owner_only() {
     assert_eq!(md.uid(), unsafe { libc::getuid() });
     assert!(names(&m.p(".kvfs")).contains("control"));
 }
+
+#[test]
+fn ctl_command_queries_and_prefetches() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(&[]);
+    fs::write(m.p("L1/B2/H0/V"), pattern(1, GB)).unwrap();
+    let out = kvfs().args(["ctl"]).arg(&m.mp).args(["query", "L1/B2/H0/V", "L0/B0/H0/K"]).output().unwrap();
+    let t = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(t.contains("L1/B2/H0/V\tt1\tdirty=1") && t.contains("L0/B0/H0/K\tempty\tdirty=0"), "{t}");
+    let out = kvfs().args(["ctl"]).arg(&m.mp).args(["prefetch", "L0/B1/H1/K"]).output().unwrap();
+    assert!(out.status.success());
+    assert!(names(&m.p(".kvfs/resident")).contains("L0.B1.H1.K"));
+    let out = kvfs().args(["ctl"]).arg(&m.mp).args(["query", "L01/B2/H0/V"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("leading zeros"));
+}
