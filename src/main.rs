@@ -75,6 +75,23 @@ enum CtlCmd {
 
 #[derive(Subcommand)]
 enum BenchCmd {
+    /// Batched restores through the control file into a /dev/shm region
+    /// (1, 64, 1024 entries; 4 KiB and 16 KiB groups; T1 hits and misses),
+    /// next to a memcpy of the same bytes. Needs root (or FUSE mount rights).
+    Restore {
+        /// Scratch directory for the backing store and mount point.
+        #[arg(long, default_value = "/var/tmp")]
+        dir: PathBuf,
+        /// Directory for the region file (tmpfs).
+        #[arg(long, default_value = "/dev/shm")]
+        shm: PathBuf,
+        /// Seconds for each measurement.
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        /// FUSE serving threads [default: number of cores].
+        #[arg(long)]
+        threads: Option<usize>,
+    },
     /// 4 KiB random reads of T1-resident group files through a kvfs mount,
     /// next to tmpfs and a bare fuser filesystem holding the same bytes, cold
     /// (O_DIRECT) and repeated (cached), with 1 and 2 readers. Needs root (or
@@ -156,6 +173,23 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Sync { mountpoint } => cli::mount::flush(&mountpoint)?,
         Cmd::Ctl { mountpoint, what } => ctl(&mountpoint, what)?,
         Cmd::Bench { what } => match what {
+            BenchCmd::Restore {
+                dir,
+                shm,
+                seconds,
+                threads,
+            } => {
+                kvfs::bench::restore::run(&kvfs::bench::restore::RestoreBench {
+                    dir,
+                    shm,
+                    seconds,
+                    threads: threads.unwrap_or_else(|| {
+                        std::thread::available_parallelism()
+                            .map(|n| n.get())
+                            .unwrap_or(2)
+                    }),
+                })?;
+            }
             BenchCmd::Fuse {
                 dir,
                 tmpfs,
@@ -203,13 +237,18 @@ fn run(cli: Cli) -> Result<()> {
 
 fn ctl(mount: &std::path::Path, what: CtlCmd) -> Result<()> {
     use anyhow::Context;
-    let c = kvfs::client::Client::open(mount)
-        .with_context(|| format!("cannot open {}/.kvfs/control (is it a kvfs mount?)", mount.display()))?;
+    let c = kvfs::client::Client::open(mount).with_context(|| {
+        format!(
+            "cannot open {}/.kvfs/control (is it a kvfs mount?)",
+            mount.display()
+        )
+    })?;
     let parse = |names: &[String]| -> Result<Vec<kvfs::geometry::GroupKey>> {
         names
             .iter()
             .map(|n| {
-                kvfs::geometry::parse_group_name(n).map_err(|e| anyhow::anyhow!("{n:?} is not a group name: {e}"))
+                kvfs::geometry::parse_group_name(n)
+                    .map_err(|e| anyhow::anyhow!("{n:?} is not a group name: {e}"))
             })
             .collect()
     };
@@ -232,7 +271,10 @@ fn ctl(mount: &std::path::Path, what: CtlCmd) -> Result<()> {
                 } else {
                     format!("{:08x}", s.crc)
                 };
-                println!("{k}\t{state}\tdirty={}\tbacking_crc32c={crc}", s.dirty as u8);
+                println!(
+                    "{k}\t{state}\tdirty={}\tbacking_crc32c={crc}",
+                    s.dirty as u8
+                );
             }
         }
         CtlCmd::Prefetch { groups } => {

@@ -479,14 +479,68 @@ fn ctl_command_queries_and_prefetches() {
     }
     let m = Mount::new(&[]);
     fs::write(m.p("L1/B2/H0/V"), pattern(1, GB)).unwrap();
-    let out = kvfs().args(["ctl"]).arg(&m.mp).args(["query", "L1/B2/H0/V", "L0/B0/H0/K"]).output().unwrap();
+    let out = kvfs()
+        .args(["ctl"])
+        .arg(&m.mp)
+        .args(["query", "L1/B2/H0/V", "L0/B0/H0/K"])
+        .output()
+        .unwrap();
     let t = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(t.contains("L1/B2/H0/V\tt1\tdirty=1") && t.contains("L0/B0/H0/K\tempty\tdirty=0"), "{t}");
-    let out = kvfs().args(["ctl"]).arg(&m.mp).args(["prefetch", "L0/B1/H1/K"]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        t.contains("L1/B2/H0/V\tt1\tdirty=1") && t.contains("L0/B0/H0/K\tempty\tdirty=0"),
+        "{t}"
+    );
+    let out = kvfs()
+        .args(["ctl"])
+        .arg(&m.mp)
+        .args(["prefetch", "L0/B1/H1/K"])
+        .output()
+        .unwrap();
     assert!(out.status.success());
     assert!(names(&m.p(".kvfs/resident")).contains("L0.B1.H1.K"));
-    let out = kvfs().args(["ctl"]).arg(&m.mp).args(["query", "L01/B2/H0/V"]).output().unwrap();
+    let out = kvfs()
+        .args(["ctl"])
+        .arg(&m.mp)
+        .args(["query", "L01/B2/H0/V"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("leading zeros"));
+}
+
+#[test]
+fn restore_bench_prints_figures_and_baselines() {
+    if !can_mount() || !std::path::Path::new("/dev/shm").exists() {
+        return;
+    }
+    let out = kvfs()
+        .args([
+            "bench",
+            "restore",
+            "--seconds",
+            "0.05",
+            "--dir",
+            env!("CARGO_TARGET_TMPDIR"),
+        ])
+        .output()
+        .unwrap();
+    let t = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{t}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        t.lines()
+            .filter(|l| l.contains("T1 hits") || l.contains("misses"))
+            .count(),
+        12,
+        "{t}"
+    );
+    assert!(t.contains("memcpy GB/s"), "{t}");
 }

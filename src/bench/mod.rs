@@ -6,6 +6,7 @@
 
 pub mod backing;
 pub mod fuse;
+pub mod restore;
 
 /// splitmix64: a fast, seedable generator for random offsets; benches need
 /// speed and repeatability, not cryptographic quality.
