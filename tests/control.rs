@@ -544,3 +544,40 @@ fn restore_bench_prints_figures_and_baselines() {
     );
     assert!(t.contains("memcpy GB/s"), "{t}");
 }
+
+#[test]
+fn a_region_file_shrunk_under_the_daemon_fails_cleanly() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(BIG);
+    let c = Client::open(&m.mp).unwrap();
+    let reg = ShmRegion::new(64 * GB as u64);
+    let r = c.register_host_region(&reg.path(), reg.len).unwrap();
+    for i in 0..64 {
+        fs::write(m.p(&path(&key(i))), pattern(i, GB)).unwrap();
+    }
+    // The client truncates its own region file: the daemon's copies into
+    // the lost pages must not kill it.
+    reg.file.as_file().set_len(0).unwrap();
+    let t = c
+        .restore(
+            &(0..64)
+                .map(|i| (key(i), r, i * GB as u64))
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+    let (e, entry, msg) = errno(c.wait(t, None));
+    assert_eq!((e, entry), (libc::EFAULT, Some(0)), "{msg}");
+    assert!(msg.contains("shrank"), "{msg}");
+    let t = c.store(&[(key(100), r, 0)]);
+    assert_eq!(errno(t).0, libc::EFAULT);
+    assert_eq!(c.query(&[key(100)]).unwrap()[0].state, wire::STATE_EMPTY);
+    // The daemon and this session still serve.
+    c.unregister(r).unwrap();
+    let good = ShmRegion::new(GB as u64);
+    let r = c.register_host_region(&good.path(), good.len).unwrap();
+    let t = c.restore(&[(key(5), r, 0)]).unwrap();
+    c.wait(t, None).unwrap();
+    assert_eq!(good.read(0, GB), pattern(5, GB));
+}

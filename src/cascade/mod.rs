@@ -78,6 +78,8 @@ pub enum CascadeError {
     OutOfRange(#[from] OutOfRange),
     #[error("metadata sync failed: {0}")]
     MetaSync(#[source] io::Error),
+    #[error("region file {0} shrank under the copy; its bytes were not moved")]
+    RegionFault(String),
     #[error("T1 needs room for at least one group ({stride} bytes), got {t1_bytes}")]
     T1TooSmall { t1_bytes: u64, stride: u64 },
     #[error("cannot allocate T1 ({bytes} bytes): {source}")]
@@ -105,6 +107,7 @@ impl CascadeError {
             CascadeError::OutOfBounds { .. } => libc::EFBIG,
             CascadeError::OutOfRange(_) => libc::ENOENT,
             CascadeError::MetaSync(source) => source.raw_os_error().unwrap_or(libc::EIO),
+            CascadeError::RegionFault(_) => libc::EFAULT,
             CascadeError::T1TooSmall { .. } => libc::EINVAL,
             CascadeError::Alloc { .. } => libc::ENOMEM,
         }

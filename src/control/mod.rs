@@ -14,6 +14,7 @@
 //! park a callback that runs when output is ready. This layer knows nothing
 //! of FUSE; `fs` adapts it.
 
+mod guard;
 pub mod wire;
 
 use crate::cascade::{Cascade, CascadeError, Residence};
@@ -31,6 +32,8 @@ use wire::{Command, IoEntry, NO_ENTRY, RawKey, Reply, Request, StateEntry};
 pub struct Region {
     ptr: *mut u8,
     len: u64,
+    /// Dropped before the mapping (field order): no stale table entry.
+    guard: guard::Guard,
     _map: memmap2::MmapMut,
     pub path: std::path::PathBuf,
 }
@@ -51,6 +54,11 @@ impl Region {
         self.len == 0
     }
 
+    /// The client shrank the region's file under a copy (see `guard`).
+    pub fn damaged(&self) -> bool {
+        self.guard.damaged()
+    }
+
     /// # Safety
     /// `offset + len <= self.len()` and no other live slice covers the range.
     #[expect(clippy::mut_from_ref, reason = "ranges are made disjoint by admission")]
@@ -65,6 +73,24 @@ impl Region {
         // SAFETY: in bounds by the caller's contract.
         unsafe { std::slice::from_raw_parts(self.ptr.add(offset as usize), len) }
     }
+}
+
+/// Fails the entries whose region's file shrank under the copy.
+fn mark_damaged(
+    work: &[(GroupIndex, Arc<Region>, u64)],
+    results: Vec<Result<(), CascadeError>>,
+) -> Vec<Result<(), CascadeError>> {
+    results
+        .into_iter()
+        .zip(work)
+        .map(|(r, (_, region, _))| {
+            if region.damaged() {
+                Err(CascadeError::RegionFault(region.path.display().to_string()))
+            } else {
+                r
+            }
+        })
+        .collect()
 }
 
 /// A request's rejection: errno, the offending entry, and why.
@@ -791,9 +817,17 @@ impl Session {
             },
         )?;
         let ptr = map.as_ptr() as *mut u8;
+        let guard = guard::Guard::new(ptr as usize, len as usize).ok_or_else(|| {
+            reject(
+                libc::ENOSPC,
+                NO_ENTRY,
+                format!("too many regions registered (at most {})", guard::SLOTS),
+            )
+        })?;
         let region = Arc::new(Region {
             ptr,
             len,
+            guard,
             _map: map,
             path: p.to_path_buf(),
         });
@@ -851,6 +885,16 @@ impl Session {
                     ),
                 )
             })?;
+            if region.damaged() {
+                return Err(reject(
+                    libc::EFAULT,
+                    i as u32,
+                    format!(
+                        "entry {i}: region {}'s file shrank under a copy; unregister it and register again",
+                        e.region
+                    ),
+                ));
+            }
             let end = e.offset.checked_add(gb).filter(|&end| end <= region.len());
             if end.is_none() {
                 return Err(reject(
@@ -951,6 +995,7 @@ impl Session {
                     .map(|r| r.map(|_| ()))
                     .collect();
                 drop(items);
+                let results = mark_damaged(&work, results);
                 let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
                 s.ctl
                     .stats
@@ -961,12 +1006,18 @@ impl Session {
             }),
             _ => Box::new(move || {
                 let gb = s.ctl.cascade.layout().group_bytes() as usize;
+                let mut copy = vec![0u8; gb];
                 let results: Vec<Result<(), CascadeError>> = work
                     .iter()
                     .map(|(g, r, off)| {
+                        // Copy out first: if the client shrinks the file
+                        // under us, the group must not take the zero page.
                         // SAFETY: admission checked the range is inside the region.
-                        let src = unsafe { r.range(*off, gb) };
-                        let res = s.ctl.cascade.write(*g, 0, src);
+                        copy.copy_from_slice(unsafe { r.range(*off, gb) });
+                        if r.damaged() {
+                            return Err(CascadeError::RegionFault(r.path.display().to_string()));
+                        }
+                        let res = s.ctl.cascade.write(*g, 0, &copy);
                         if res.is_ok()
                             && let Some(h) = s.ctl.on_change.get()
                         {
