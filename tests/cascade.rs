@@ -53,6 +53,8 @@ enum Op {
     Full(u64, u64),
     Partial(u64, usize, usize, u64),
     Read(u64, usize, usize),
+    /// Whole groups through the batched path (hits, misses, empties mixed).
+    ReadMany(Vec<u64>),
     Flush(u64),
     Prefetch(u64),
     SyncAll,
@@ -67,6 +69,7 @@ fn op_strategy(groups: u64, gb: usize) -> impl Strategy<Value = Op> {
             Op::Partial(g, o, l.max(1), s)
         }),
         6 => (0..groups, 0..gb, 1..=gb).prop_map(move |(g, o, l)| Op::Read(g, o, l.min(gb - o).max(1))),
+        2 => proptest::collection::vec(0..groups, 1..12).prop_map(Op::ReadMany),
         1 => (0..groups).prop_map(Op::Flush),
         1 => (0..groups).prop_map(Op::Prefetch),
         1 => Just(Op::SyncAll),
@@ -108,6 +111,21 @@ fn run_model(
                     .map(|m| m[o..o + l].to_vec())
                     .unwrap_or(vec![0; l]);
                 prop_assert_eq!(out, want, "group {} bytes {}..{}", g, o, o + l);
+            }
+            Op::ReadMany(ref gs) => {
+                let mut bufs: Vec<Vec<u8>> = gs.iter().map(|_| vec![0xeeu8; gb]).collect();
+                let mut items: Vec<(GroupIndex, &mut [u8])> = gs
+                    .iter()
+                    .zip(bufs.iter_mut())
+                    .map(|(g, b)| (GroupIndex(*g), b.as_mut_slice()))
+                    .collect();
+                for r in k.read_groups(&mut items) {
+                    r.unwrap();
+                }
+                for (g, b) in gs.iter().zip(&bufs) {
+                    let want = model.get(g).cloned().unwrap_or(vec![0; gb]);
+                    prop_assert_eq!(b, &want, "batched read of group {}", g);
+                }
             }
             Op::Flush(g) => k.flush(GroupIndex(g)).unwrap(),
             Op::Prefetch(g) => k.prefetch(GroupIndex(g)).unwrap(),
