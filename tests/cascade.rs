@@ -20,6 +20,9 @@ fn cfg(slots: u64, layout: &GroupLayout, policy: PolicyKind, promote: bool) -> C
         t1_bytes: slots * layout.stride(),
         policy,
         promote_on_miss: promote,
+        // Two-slot chunks: most T1s here arrive in several pieces, so the
+        // background allocation and adoption run under every test.
+        t1_chunk_bytes: 2 * layout.stride(),
     }
 }
 
@@ -653,4 +656,40 @@ fn file_tier_is_usable_directly() {
         )
         .is_err()
     );
+}
+
+#[test]
+fn t1_arrives_in_chunks_and_all_of_it_is_used() {
+    let layout = small_layout();
+    let gb = layout.group_bytes() as usize;
+    let c = Cascade::new(
+        layout,
+        Box::new(MemTier::new(layout)),
+        MetaTable::anonymous(layout.group_count()).unwrap(),
+        CascadeConfig {
+            t1_bytes: 10 * layout.stride(),
+            t1_chunk_bytes: 3 * layout.stride(),
+            ..CascadeConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(c.t1_slots(), 10);
+    let t = std::time::Instant::now();
+    while c.t1_ready_slots() < 10 {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "T1 chunks never arrived"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    for g in 0..10 {
+        c.write(GroupIndex(g), 0, &pattern(g, gb)).unwrap();
+    }
+    let s = c.stats();
+    assert_eq!((s.t1_slots_used, s.evictions), (10, 0));
+    for g in 0..10 {
+        let mut out = vec![0; gb];
+        assert_eq!(c.read(GroupIndex(g), 0, &mut out).unwrap(), Residence::T1);
+        assert_eq!(out, pattern(g, gb));
+    }
 }

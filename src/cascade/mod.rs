@@ -35,7 +35,8 @@ use parking_lot::{Condvar, Mutex, MutexGuard, RwLock, RwLockWriteGuard};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::time::Duration;
 
 /// Index of a T1 slot.
@@ -149,7 +150,15 @@ pub struct CascadeConfig {
     /// read is often a one-off restore, and promoting it would evict hot
     /// groups).
     pub promote_on_miss: bool,
+    /// T1 is allocated (pinned, where there is a GPU) in chunks of this
+    /// size: the first before the cascade is usable, the rest by a
+    /// background thread, so a large T1 does not hold up a mount.
+    pub t1_chunk_bytes: u64,
 }
+
+/// Default T1 chunk: pinning 256 MiB takes a fraction of a second, and the
+/// driver call overhead per chunk is nothing next to it.
+pub const DEFAULT_T1_CHUNK: u64 = 256 << 20;
 
 impl Default for CascadeConfig {
     fn default() -> Self {
@@ -157,8 +166,20 @@ impl Default for CascadeConfig {
             t1_bytes: 64 << 20,
             policy: PolicyKind::Sieve,
             promote_on_miss: false,
+            t1_chunk_bytes: DEFAULT_T1_CHUNK,
         }
     }
+}
+
+/// T1's memory: chunks of slots, adopted as the background allocator
+/// delivers them. A slot is reachable (on the free list) only once its
+/// chunk's base is set, so `slot_ptr` never sees a missing chunk.
+struct Arena {
+    per_chunk: u32,
+    bases: Box<[AtomicPtr<u8>]>,
+    owned: Mutex<Vec<HostBuf>>,
+    incoming: Mutex<Option<mpsc::Receiver<(usize, HostBuf)>>>,
+    ready_slots: AtomicU64,
 }
 
 /// Monotonic counters; read with `Cascade::stats`.
@@ -244,7 +265,7 @@ pub struct Cascade {
     tier: Box<dyn Tier>,
     meta: MetaTable,
     cfg: CascadeConfig,
-    slots: HostBuf,
+    arena: Arena,
     n_slots: u32,
     slot_locks: Box<[RwLock<()>]>,
     pins: Box<[AtomicU32]>,
@@ -311,16 +332,70 @@ impl Cascade {
             });
         }
         let n_slots = n.min(u32::MAX as u64 - 1) as u32;
-        let bytes = n_slots as u64 * stride;
-        let slots = HostBuf::alloc(bytes as usize)
-            .map_err(|source| CascadeError::Alloc { bytes, source })?;
+        let per_chunk = (cfg.t1_chunk_bytes / stride).clamp(1, n_slots as u64) as u32;
+        let n_chunks = n_slots.div_ceil(per_chunk) as usize;
+        let chunk_slots = move |i: usize| per_chunk.min(n_slots - i as u32 * per_chunk);
+        let t = std::time::Instant::now();
+        let first_bytes = chunk_slots(0) as u64 * stride;
+        let first = HostBuf::alloc(first_bytes as usize).map_err(|source| CascadeError::Alloc {
+            bytes: first_bytes,
+            source,
+        })?;
+        let pinned = first.device_ptr().is_some();
+        let bases: Box<[AtomicPtr<u8>]> = (0..n_chunks)
+            .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+            .collect();
+        bases[0].store(first.as_ptr(), Ordering::Release);
+        let incoming = if n_chunks > 1 {
+            let (tx, rx) = mpsc::channel();
+            std::thread::Builder::new()
+                .name("kvfs-t1-alloc".into())
+                .spawn(move || {
+                    for i in 1..n_chunks {
+                        let bytes = chunk_slots(i) as u64 * stride;
+                        match HostBuf::alloc(bytes as usize) {
+                            Ok(b) => {
+                                if tx.send((i, b)).is_err() {
+                                    return; // the cascade is gone
+                                }
+                            }
+                            Err(e) => {
+                                tracing::error!("T1 chunk {i} ({bytes} bytes) could not be allocated: {e}; T1 stays smaller");
+                                return;
+                            }
+                        }
+                    }
+                    tracing::info!(
+                        "T1: {} MiB in {n_chunks} chunks {} in {:.2?}",
+                        (n_slots as u64 * stride) >> 20,
+                        if pinned { "pinned" } else { "allocated" },
+                        t.elapsed()
+                    );
+                })
+                .map_err(|source| CascadeError::Alloc { bytes: 0, source })?;
+            Some(rx)
+        } else {
+            tracing::debug!(
+                "T1: {} MiB allocated in {:.2?}",
+                first_bytes >> 20,
+                t.elapsed()
+            );
+            None
+        };
+        let first_slots = chunk_slots(0);
         let policy = cfg.policy.build(n_slots);
         Ok(Cascade {
             layout,
             tier,
             meta,
             cfg,
-            slots,
+            arena: Arena {
+                per_chunk,
+                bases,
+                owned: Mutex::new(vec![first]),
+                incoming: Mutex::new(incoming),
+                ready_slots: AtomicU64::new(first_slots as u64),
+            },
             n_slots,
             slot_locks: (0..n_slots).map(|_| RwLock::new(())).collect(),
             pins: (0..n_slots).map(|_| AtomicU32::new(0)).collect(),
@@ -330,7 +405,7 @@ impl Cascade {
                 map: HashMap::default(),
                 slot_state: vec![SlotState::Free; n_slots as usize],
                 // Reversed so slot 0 is used first.
-                free: (0..n_slots).rev().map(SlotId).collect(),
+                free: (0..first_slots).rev().map(SlotId).collect(),
                 policy,
             }),
             changed: Condvar::new(),
@@ -362,12 +437,58 @@ impl Cascade {
 
     fn slot_ptr(&self, s: SlotId) -> *mut u8 {
         debug_assert!(s.0 < self.n_slots);
-        // SAFETY: s < n_slots, so the offset stays inside the T1 mapping.
-        unsafe {
-            self.slots
-                .as_ptr()
-                .add(s.0 as usize * self.layout.stride() as usize)
+        let a = &self.arena;
+        let base = a.bases[(s.0 / a.per_chunk) as usize].load(Ordering::Acquire);
+        debug_assert!(
+            !base.is_null(),
+            "slot {} used before its chunk arrived",
+            s.0
+        );
+        // SAFETY: the slot's chunk is allocated (slots reach the free list
+        // only after their chunk's base is set) and the offset is inside it.
+        unsafe { base.add((s.0 % a.per_chunk) as usize * self.layout.stride() as usize) }
+    }
+
+    /// Takes in the T1 chunks the background allocator has finished.
+    fn adopt_chunks(&self, st: &mut State) {
+        let a = &self.arena;
+        let Some(mut guard) = a.incoming.try_lock() else {
+            return;
+        };
+        let Some(rx) = guard.as_ref() else { return };
+        loop {
+            match rx.try_recv() {
+                Ok((i, buf)) => {
+                    a.bases[i].store(buf.as_ptr(), Ordering::Release);
+                    let first = i as u32 * a.per_chunk;
+                    let n = (buf.len() as u64 / self.layout.stride()) as u32;
+                    st.free.extend((first..first + n).rev().map(SlotId));
+                    a.ready_slots.fetch_add(n as u64, Ordering::Relaxed);
+                    a.owned.lock().push(buf);
+                }
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    *guard = None;
+                    break;
+                }
+            }
         }
+    }
+
+    /// Slots whose memory has arrived (all of T1 once the background
+    /// allocation is done).
+    pub fn t1_ready_slots(&self) -> u64 {
+        self.adopt_chunks(&mut self.state.lock());
+        self.arena.ready_slots.load(Ordering::Relaxed)
+    }
+
+    /// The device address of slot `s` where T1 is pinned and mapped.
+    pub fn slot_device_ptr(&self, s: SlotId) -> Option<u64> {
+        let a = &self.arena;
+        let owned = a.owned.lock();
+        let base = a.bases[(s.0 / a.per_chunk) as usize].load(Ordering::Acquire);
+        let chunk = owned.iter().find(|b| b.as_ptr() == base)?;
+        Some(chunk.device_ptr()? + (s.0 % a.per_chunk) as u64 * self.layout.stride())
     }
 
     /// # Safety
@@ -540,6 +661,9 @@ impl Cascade {
             let mut st = self.state.lock();
             if st.map.contains_key(&g) {
                 return Ok(Claim::Mapped);
+            }
+            if st.free.is_empty() {
+                self.adopt_chunks(&mut st);
             }
             // A free slot nobody pins: nobody holds or waits for its lock.
             if let Some(pos) = st

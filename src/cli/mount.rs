@@ -307,6 +307,7 @@ fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
             t1_bytes,
             policy: args.policy,
             promote_on_miss: args.promote_on_miss,
+            ..CascadeConfig::default()
         },
     )?);
     tracing::info!(

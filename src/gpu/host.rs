@@ -1,6 +1,9 @@
 use std::io;
 use std::ptr::NonNull;
 
+/// Page size assumed for alignment (O_DIRECT needs at most this).
+const PAGE: usize = 4096;
+
 /// Buffers this large ask for transparent huge pages: fewer TLB misses and
 /// fewer pages to pin per O_DIRECT transfer or GPU copy.
 const HUGE_PAGE: usize = 2 << 20;
@@ -12,6 +15,10 @@ const HUGE_PAGE: usize = 2 << 20;
 pub struct HostBuf {
     ptr: NonNull<u8>,
     len: usize,
+    /// Where the GPU sees this memory, when it is pinned and mapped.
+    device: Option<u64>,
+    /// What the allocator returned, where `ptr` had to be aligned up from it.
+    base: *mut u8,
 }
 
 // SAFETY: HostBuf owns its mapping exclusively; shared access goes through
@@ -22,8 +29,40 @@ unsafe impl Send for HostBuf {}
 unsafe impl Sync for HostBuf {}
 
 impl HostBuf {
-    /// Maps `len` bytes (rounded up to a page) of zeroed memory.
+    /// `len` bytes of zeroed memory: pinned and mapped for the GPU where
+    /// a CUDA driver is present, plain page-aligned memory otherwise.
     pub fn alloc(len: usize) -> io::Result<HostBuf> {
+        match super::cuda::cuda() {
+            Some(c) if len > 0 => {
+                // The driver promises no alignment: ask for a page more and
+                // align up, so O_DIRECT transfers into it always work.
+                let (base, d) = c.alloc_pinned(len + PAGE).map_err(io::Error::other)?;
+                let skip = (PAGE - base as usize % PAGE) % PAGE;
+                // SAFETY: skip < PAGE, so [base+skip, base+skip+len) lies in
+                // the len + PAGE bytes just allocated.
+                let p = unsafe { base.add(skip) };
+                // SAFETY: as above.
+                unsafe { std::ptr::write_bytes(p, 0, len) };
+                let ptr = NonNull::new(p)
+                    .ok_or_else(|| io::Error::other("cuMemHostAlloc returned null"))?;
+                Ok(HostBuf {
+                    ptr,
+                    len,
+                    device: Some(d + skip as u64),
+                    base,
+                })
+            }
+            _ => HostBuf::alloc_plain(len),
+        }
+    }
+
+    /// The device pointer of a pinned, mapped buffer.
+    pub fn device_ptr(&self) -> Option<u64> {
+        self.device
+    }
+
+    /// `len` bytes (rounded up to a page) of zeroed, page-aligned plain memory.
+    pub fn alloc_plain(len: usize) -> io::Result<HostBuf> {
         if len == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -54,7 +93,12 @@ impl HostBuf {
         }
         let ptr =
             NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
-        Ok(HostBuf { ptr, len })
+        Ok(HostBuf {
+            ptr,
+            len,
+            device: None,
+            base: p.cast(),
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -82,6 +126,13 @@ impl HostBuf {
 
 impl Drop for HostBuf {
     fn drop(&mut self) {
+        if self.device.is_some() {
+            if let Some(c) = super::cuda::cuda() {
+                // SAFETY: pinned by alloc_pinned; the owner is gone.
+                unsafe { c.free_pinned(self.base) };
+            }
+            return;
+        }
         // SAFETY: ptr/len are exactly what mmap returned and nothing borrows
         // them once the owner is dropped.
         unsafe {
