@@ -196,6 +196,30 @@ impl Client {
         Ok(r.value as u32)
     }
 
+    /// Registers `len` bytes at `offset` of a CUDA allocation named by its
+    /// IPC memory handle (cuIpcGetMemHandle), on `device`.
+    pub fn register_cuda_region(
+        &self,
+        handle: &[u8; 64],
+        len: u64,
+        device: u32,
+        offset: u64,
+    ) -> Result<u32, ClientError> {
+        let mut path = handle.to_vec();
+        path.extend_from_slice(&offset.to_le_bytes());
+        path.extend_from_slice(&device.to_le_bytes());
+        path.extend_from_slice(&0u32.to_le_bytes());
+        let r = self.call(
+            &Request::Register {
+                path,
+                len,
+                flags: wire::REGISTER_CUDA,
+            },
+            0,
+        )?;
+        Ok(r.value as u32)
+    }
+
     pub fn unregister(&self, region: u32) -> Result<(), ClientError> {
         self.call(&Request::Unregister { region }, 0).map(|_| ())
     }

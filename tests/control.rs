@@ -581,3 +581,28 @@ fn a_region_file_shrunk_under_the_daemon_fails_cleanly() {
     c.wait(t, None).unwrap();
     assert_eq!(good.read(0, GB), pattern(5, GB));
 }
+
+#[test]
+fn cuda_regions_without_a_driver_are_enodev() {
+    if !can_mount() {
+        return;
+    }
+    if kvfs::gpu::cuda::cuda().is_some() {
+        eprintln!("skipped: this machine has a CUDA driver (tools/gpu_e2e.py covers it)");
+        return;
+    }
+    let m = Mount::new(&[]);
+    let c = Client::open(&m.mp).unwrap();
+    let (e, _, msg) = errno(c.register_cuda_region(&[7u8; 64], 4096, 0, 0));
+    assert_eq!(e, libc::ENODEV, "{msg}");
+    assert!(msg.contains("no CUDA driver was found"), "{msg}");
+    // A malformed CUDA REGISTER is still just refused, and the fd serves on.
+    let bad = wire::encode_request(&Request::Register {
+        path: vec![1; 10],
+        len: 10,
+        flags: wire::REGISTER_CUDA,
+    });
+    let rep = c.call_bytes(&bad).unwrap();
+    assert_eq!(rep.status as i32, libc::ENODEV);
+    assert_eq!(c.hello().unwrap().0, 1);
+}

@@ -32,6 +32,25 @@ _KEY_ENTRY = struct.Struct("<QIIII")    # block, layer, head, kind, pad
 _STATE = struct.Struct("<BBHI")         # state, dirty, pad, crc32c
 
 
+REGISTER_CUDA = 1
+
+
+class Ticket(int):
+    """A ticket number; for restores into CUDA regions, also the handle of
+    the CUDA IPC event recorded after the copy (open it with
+    torch.cuda.Event.from_ipc_handle(device, handle) or cuIpcOpenEventHandle
+    and make a stream wait on it: no host round trip)."""
+
+    ipc_event_handle = None
+
+
+def _ticket(value, message):
+    t = Ticket(value)
+    if message.startswith("ipc_event="):
+        t.ipc_event_handle = bytes.fromhex(message[len("ipc_event="):])
+    return t
+
+
 class KvfsError(OSError):
     """A request or ticket kvfs refused or failed."""
 
@@ -125,6 +144,27 @@ class Kvfs:
         value, _ = self._call(REGISTER, len(p), 0, size, p)
         return value
 
+    def register_cuda_region(self, ipc_handle, size, device=0, offset=0):
+        """Registers `size` bytes at `offset` of a CUDA allocation exported by
+        cuIpcGetMemHandle (64 bytes). Raises KvfsError(ENODEV) without a CUDA driver."""
+        handle = bytes(ipc_handle)
+        if len(handle) != 64:
+            raise ValueError(f"a CUDA IPC memory handle is 64 bytes, not {len(handle)}")
+        payload = handle + struct.pack("<QII", offset, device, 0)
+        value, _ = self._call(REGISTER, len(payload), REGISTER_CUDA, size, payload)
+        return value
+
+    def register_tensor(self, tensor):
+        """Registers a contiguous CUDA tensor's bytes (torch is imported only here)."""
+        import torch  # noqa: F401  (only to fail clearly when it is missing)
+
+        if not tensor.is_cuda or not tensor.is_contiguous():
+            raise ValueError("register_tensor needs a contiguous CUDA tensor")
+        storage = tensor.untyped_storage()
+        device, handle, _size, storage_offset = storage._share_cuda_()[:4]
+        offset = storage_offset + tensor.storage_offset() * tensor.element_size()
+        return self.register_cuda_region(handle, tensor.numel() * tensor.element_size(), device, offset)
+
     def unregister(self, region):
         self._call(UNREGISTER, 0, region)
 
@@ -139,9 +179,10 @@ class Kvfs:
 
     def restore(self, entries, wait=True):
         """Restores groups into regions. entries: (layer, block, head, 'K'|'V', region, offset).
-        Returns the ticket (after it finished, when wait is true)."""
+        Returns the ticket (after it finished, when wait is true); for CUDA
+        regions the ticket carries .ipc_event_handle."""
         entries = list(entries)
-        ticket, _ = self._call(RESTORE, len(entries), body=self._io_body(entries))
+        ticket = _ticket(*self._call(RESTORE, len(entries), body=self._io_body(entries)))
         if wait:
             self.wait(ticket)
         return ticket

@@ -298,6 +298,13 @@ impl Drop for Pin<'_> {
     }
 }
 
+/// Slots held for device copies (see `Cascade::pin_for_device`).
+pub struct DevicePins<'a> {
+    // Field order: locks are released before the pins.
+    _locks: Vec<parking_lot::RwLockReadGuard<'a, ()>>,
+    _pins: Vec<Pin<'a>>,
+}
+
 enum Claim<'a> {
     /// The group got this slot, mapped, pinned and write-locked; the caller
     /// fills it.
@@ -958,6 +965,48 @@ impl Cascade {
             .into_iter()
             .map(|r| r.expect("every item answered"))
             .collect()
+    }
+
+    /// Pins and read-locks the T1 slots of those `groups` that are
+    /// resident, for copies the GPU makes straight out of them: returns each
+    /// group's slot device address (None where the group is not in T1 or
+    /// T1 is not device-mapped). The slots cannot be written, evicted or
+    /// reused until the returned guard drops.
+    pub fn pin_for_device(&self, groups: &[GroupIndex]) -> (Vec<Option<u64>>, DevicePins<'_>) {
+        // Pin first, then lock in ascending slot order, each slot once: every
+        // holder of several slot locks (this, sync_all) takes them in that
+        // order, so waits cannot form a cycle even with queued writers.
+        let mut pins: Vec<(usize, Pin<'_>)> = groups
+            .iter()
+            .enumerate()
+            .filter_map(|(i, &g)| self.pin_resident(g, true).map(|p| (i, p)))
+            .collect();
+        pins.sort_by_key(|(_, p)| p.slot);
+        let mut addrs = vec![None; groups.len()];
+        let mut locks = Vec::new();
+        let mut last: Option<SlotId> = None;
+        for (i, pin) in &pins {
+            if last != Some(pin.slot) {
+                locks.push(self.slot_locks[pin.slot.0 as usize].read());
+                last = Some(pin.slot);
+            }
+            if self.holds(pin.slot, groups[*i])
+                && let Some(d) = self.slot_device_ptr(pin.slot)
+            {
+                addrs[*i] = Some(d);
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .t1_read_bytes
+                    .fetch_add(self.layout.group_bytes(), Ordering::Relaxed);
+            }
+        }
+        (
+            addrs,
+            DevicePins {
+                _locks: locks,
+                _pins: pins.into_iter().map(|(_, p)| p).collect(),
+            },
+        )
     }
 
     /// Installs bytes just read from the backing, unless the group changed.

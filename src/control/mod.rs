@@ -28,22 +28,47 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 use wire::{Command, IoEntry, NO_ENTRY, RawKey, Reply, Request, StateEntry};
 
-/// A region registered by a client: a shared mapping of its file.
+/// A region registered by a client: a shared mapping of its file, or a
+/// CUDA allocation of another process opened through its IPC handle.
 pub struct Region {
-    ptr: *mut u8,
     len: u64,
-    /// Dropped before the mapping (field order): no stale table entry.
-    guard: guard::Guard,
-    _map: memmap2::MmapMut,
+    /// The host file, or `cuda:DEVICE` for a CUDA region.
     pub path: std::path::PathBuf,
+    mem: Memory,
 }
 
-// SAFETY: the mapping is shared memory that lives as long as the Region;
-// the executor reaches it only through bounds-checked, non-overlapping
-// ranges of one request (see `admit_io`).
+enum Memory {
+    Host {
+        ptr: *mut u8,
+        /// Dropped before the mapping (field order): no stale table entry.
+        guard: guard::Guard,
+        _map: memmap2::MmapMut,
+    },
+    Cuda {
+        /// The region's first byte on the device.
+        dptr: u64,
+        /// What cuIpcOpenMemHandle returned (closed on drop).
+        ipc_base: u64,
+    },
+}
+
+// SAFETY: host regions are shared memory that lives as long as the Region;
+// the executor reaches them only through bounds-checked, non-overlapping
+// ranges of one request (see `admit_io`). CUDA regions are device
+// addresses, touched only by the copy engine and kernels.
 unsafe impl Send for Region {}
 // SAFETY: as for Send.
 unsafe impl Sync for Region {}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if let Memory::Cuda { ipc_base, .. } = self.mem
+            && let Some(c) = crate::gpu::cuda::cuda()
+        {
+            c.close_ipc_mem(ipc_base);
+        }
+    }
+}
 
 impl Region {
     pub fn len(&self) -> u64 {
@@ -54,24 +79,47 @@ impl Region {
         self.len == 0
     }
 
+    pub fn is_cuda(&self) -> bool {
+        matches!(self.mem, Memory::Cuda { .. })
+    }
+
+    /// The device address of byte `offset` of a CUDA region.
+    fn device_addr(&self, offset: u64) -> Option<u64> {
+        match self.mem {
+            Memory::Cuda { dptr, .. } => Some(dptr + offset),
+            Memory::Host { .. } => None,
+        }
+    }
+
     /// The client shrank the region's file under a copy (see `guard`).
     pub fn damaged(&self) -> bool {
-        self.guard.damaged()
+        match &self.mem {
+            Memory::Host { guard, .. } => guard.damaged(),
+            Memory::Cuda { .. } => false,
+        }
+    }
+
+    fn host_ptr(&self) -> *mut u8 {
+        match self.mem {
+            Memory::Host { ptr, .. } => ptr,
+            Memory::Cuda { .. } => unreachable!("host copies only reach host regions (admission)"),
+        }
     }
 
     /// # Safety
-    /// `offset + len <= self.len()` and no other live slice covers the range.
+    /// A host region; `offset + len <= self.len()` and no other live slice
+    /// covers the range.
     #[expect(clippy::mut_from_ref, reason = "ranges are made disjoint by admission")]
     unsafe fn range_mut(&self, offset: u64, len: usize) -> &mut [u8] {
         // SAFETY: in bounds by the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset as usize), len) }
+        unsafe { std::slice::from_raw_parts_mut(self.host_ptr().add(offset as usize), len) }
     }
 
     /// # Safety
-    /// `offset + len <= self.len()`.
+    /// A host region; `offset + len <= self.len()`.
     unsafe fn range(&self, offset: u64, len: usize) -> &[u8] {
         // SAFETY: in bounds by the caller's contract.
-        unsafe { std::slice::from_raw_parts(self.ptr.add(offset as usize), len) }
+        unsafe { std::slice::from_raw_parts(self.host_ptr().add(offset as usize), len) }
     }
 }
 
@@ -223,6 +271,100 @@ struct ControlStats {
     sessions: AtomicU64,
 }
 
+/// Sets a GPU ticket's ready flag (a u32 in pinned memory the stream waits
+/// on); dropping it sets it too, so no stream ever waits forever.
+struct ReadyFlag(*mut u32);
+// SAFETY: the flag lives in the ticket's table, which the job owns.
+unsafe impl Send for ReadyFlag {}
+
+impl ReadyFlag {
+    fn set(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        // SAFETY: the pointer is the first word of a live pinned table.
+        unsafe { std::ptr::write_volatile(self.0, 1) };
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+}
+
+impl Drop for ReadyFlag {
+    fn drop(&mut self) {
+        self.set();
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Reused GPU resources: creating streams and pinning memory per ticket
+/// would cost more than the copies.
+#[derive(Default)]
+struct GpuPool {
+    streams: Mutex<Vec<crate::gpu::cuda::Stream>>,
+    tables: Mutex<Vec<crate::gpu::HostBuf>>,
+    staging: Mutex<Vec<crate::gpu::HostBuf>>,
+}
+
+/// Pooled buffers kept per kind.
+const GPU_POOL_KEEP: usize = 16;
+
+impl GpuPool {
+    fn take_table(&self, n: usize) -> std::io::Result<crate::gpu::HostBuf> {
+        let need = 16 + 16 * n;
+        let mut t = self.tables.lock();
+        if let Some(i) = t.iter().position(|b| b.len() >= need) {
+            let mut b = t.swap_remove(i);
+            b.as_mut_slice()[..need].fill(0);
+            return Ok(b);
+        }
+        drop(t);
+        crate::gpu::HostBuf::alloc(need.next_power_of_two().max(4096))
+    }
+
+    fn take_staging(&self, len: usize) -> std::io::Result<crate::gpu::HostBuf> {
+        let mut t = self.staging.lock();
+        if let Some(i) = t.iter().position(|b| b.len() >= len) {
+            return Ok(t.swap_remove(i));
+        }
+        drop(t);
+        crate::gpu::HostBuf::alloc(len.next_power_of_two().max(4096))
+    }
+
+    fn take_stream(&self) -> Result<crate::gpu::cuda::Stream, String> {
+        if let Some(s) = self.streams.lock().pop() {
+            return Ok(s);
+        }
+        crate::gpu::cuda::cuda()
+            .ok_or("no CUDA driver")?
+            .new_stream()
+    }
+
+    fn give_staging(&self, b: crate::gpu::HostBuf) {
+        let mut t = self.staging.lock();
+        if t.len() < GPU_POOL_KEEP {
+            t.push(b);
+        }
+    }
+
+    fn give(
+        &self,
+        table: crate::gpu::HostBuf,
+        stream: crate::gpu::cuda::Stream,
+        staging: Option<crate::gpu::HostBuf>,
+    ) {
+        {
+            let mut t = self.tables.lock();
+            if t.len() < GPU_POOL_KEEP {
+                t.push(table);
+            }
+        }
+        self.streams.lock().push(stream);
+        if let Some(b) = staging {
+            self.give_staging(b);
+        }
+    }
+}
+
 /// Called with each group a STORE changed (the filesystem drops the
 /// kernel's cached pages of it).
 pub type ChangeHook = Box<dyn Fn(GroupIndex) + Send + Sync>;
@@ -234,6 +376,7 @@ pub struct Control {
     timer: Arc<Timer>,
     stats: ControlStats,
     on_change: OnceLock<ChangeHook>,
+    gpu_pool: GpuPool,
 }
 
 impl Control {
@@ -248,6 +391,7 @@ impl Control {
             timer: Timer::start(),
             stats: ControlStats::default(),
             on_change: OnceLock::new(),
+            gpu_pool: GpuPool::default(),
         })
     }
 
@@ -375,6 +519,8 @@ struct SessionState {
     readers: VecDeque<(usize, Parked)>,
     waiters: Vec<(u64, Option<Instant>, WaitCallback)>,
     pollers: Vec<Box<dyn FnOnce() + Send>>,
+    /// IPC events of GPU tickets, kept until the ticket is collected.
+    events: HashMap<u64, Arc<crate::gpu::cuda::IpcEvent>>,
 }
 
 impl SessionState {
@@ -391,6 +537,7 @@ impl SessionState {
             _ => return None,
         }
         self.done.retain(|&t| t != ticket);
+        self.events.remove(&ticket);
         match self.tickets.remove(&ticket) {
             Some(Ticket::Done(r)) => Some(r),
             _ => None,
@@ -721,6 +868,9 @@ impl Session {
     }
 
     fn register(&self, path: &[u8], len: u64, flags: u64) -> Result<Reply, Rejection> {
+        if flags == wire::REGISTER_CUDA {
+            return self.register_cuda(path, len);
+        }
         if flags != 0 {
             return Err(reject(
                 libc::EINVAL,
@@ -825,16 +975,95 @@ impl Session {
             )
         })?;
         let region = Arc::new(Region {
-            ptr,
             len,
-            guard,
-            _map: map,
             path: p.to_path_buf(),
+            mem: Memory::Host {
+                ptr,
+                guard,
+                _map: map,
+            },
         });
         let mut st = self.st.lock();
         st.next_region += 1;
         let id = st.next_region;
         st.regions.insert(id, region);
+        Ok(Reply::ok(Command::Register, id as u64))
+    }
+
+    /// REGISTER of a CUDA allocation: payload = IPC memory handle (64
+    /// bytes), offset into the allocation (u64), device ordinal (u32), pad.
+    fn register_cuda(&self, payload: &[u8], len: u64) -> Result<Reply, Rejection> {
+        let Some(c) = crate::gpu::cuda::cuda() else {
+            return Err(reject(
+                libc::ENODEV,
+                NO_ENTRY,
+                format!(
+                    "{}: CUDA regions are unavailable",
+                    crate::gpu::cuda::unavailable_reason()
+                ),
+            ));
+        };
+        if payload.len() != wire::CUDA_REGISTER_BYTES {
+            return Err(reject(
+                libc::EINVAL,
+                NO_ENTRY,
+                format!(
+                    "a CUDA REGISTER carries {} bytes (IPC handle, offset, device, pad), got {}",
+                    wire::CUDA_REGISTER_BYTES,
+                    payload.len()
+                ),
+            ));
+        }
+        let mut handle = [0u8; 64];
+        handle.copy_from_slice(&payload[..64]);
+        let offset = u64::from_le_bytes(payload[64..72].try_into().expect("8 bytes"));
+        let device = u32::from_le_bytes(payload[72..76].try_into().expect("4 bytes"));
+        if device as i32 != c.device {
+            return Err(reject(
+                libc::ENODEV,
+                NO_ENTRY,
+                format!(
+                    "CUDA device {device}: this kvfs drives device {} only",
+                    c.device
+                ),
+            ));
+        }
+        if len == 0 {
+            return Err(reject(
+                libc::EINVAL,
+                NO_ENTRY,
+                "region length must be at least 1 byte",
+            ));
+        }
+        let (base, avail) = c.open_ipc_mem(&handle).map_err(|e| {
+            reject(
+                libc::EINVAL,
+                NO_ENTRY,
+                format!("cannot open the CUDA IPC handle: {e}"),
+            )
+        })?;
+        let region = Region {
+            len,
+            path: format!("cuda:{device}").into(),
+            mem: Memory::Cuda {
+                dptr: base + offset,
+                ipc_base: base,
+            },
+        };
+        if offset.checked_add(len).is_none_or(|end| end > avail) {
+            return Err(reject(
+                libc::EFAULT,
+                NO_ENTRY,
+                format!(
+                    "bytes {offset}..{} lie outside the CUDA allocation ({avail} bytes)",
+                    offset.saturating_add(len)
+                ),
+            ));
+        }
+        let mut st = self.st.lock();
+        st.next_region += 1;
+        let id = st.next_region;
+        st.regions.insert(id, Arc::new(region));
         Ok(Reply::ok(Command::Register, id as u64))
     }
 
@@ -912,6 +1141,38 @@ impl Session {
             out.push((g, region.clone(), e.offset));
         }
         drop(st);
+        if let Some(first) = out.first() {
+            let cuda = first.1.is_cuda();
+            if let Some(i) = out.iter().position(|(_, r, _)| r.is_cuda() != cuda) {
+                return Err(reject(
+                    libc::EINVAL,
+                    i as u32,
+                    format!("entry {i}: one batch targets host regions or CUDA regions, not both"),
+                ));
+            }
+            if cuda {
+                if !gb.is_multiple_of(16) {
+                    return Err(reject(
+                        libc::EINVAL,
+                        0,
+                        format!("GPU copies need groups of a multiple of 16 bytes; these are {gb}"),
+                    ));
+                }
+                if let Some(i) = out
+                    .iter()
+                    .position(|(_, r, off)| r.device_addr(*off).is_some_and(|a| a % 16 != 0))
+                {
+                    return Err(reject(
+                        libc::EINVAL,
+                        i as u32,
+                        format!(
+                            "entry {i}: a CUDA destination must be 16-byte aligned (offset {})",
+                            out[i].2
+                        ),
+                    ));
+                }
+            }
+        }
         if cmd == Command::Restore {
             // Two restores into the same bytes would race: refuse.
             let mut spans: Vec<(usize, u64, usize)> = out
@@ -974,6 +1235,12 @@ impl Session {
         entries: &[IoEntry],
     ) -> Result<Reply, Rejection> {
         let work = self.admit_io(cmd, entries)?;
+        if work.first().is_some_and(|(_, r, _)| r.is_cuda()) {
+            return match cmd {
+                Command::Restore => self.submit_gpu_restore(work),
+                _ => Ok(self.submit_gpu_store(work)),
+            };
+        }
         let ticket = self.new_ticket();
         let s = self.clone();
         let started = Instant::now();
@@ -1037,6 +1304,174 @@ impl Session {
         };
         self.ctl.exec.submit(job);
         Ok(Reply::ok(cmd, ticket))
+    }
+
+    /// A RESTORE into CUDA regions. Before replying, it enqueues on a
+    /// stream: wait for a ready flag in pinned memory, the gather kernel
+    /// over a descriptor table, and the ticket's IPC event; the reply
+    /// carries the event's handle, so a client stream can wait on it at
+    /// once. The executor then pins the T1 hits (the kernel reads their
+    /// slots through the device mapping), reads the misses into pinned
+    /// staging, fills the table, sets the flag, and waits for the event
+    /// before it lets go of the slots.
+    fn submit_gpu_restore(
+        self: &Arc<Session>,
+        work: Vec<(GroupIndex, Arc<Region>, u64)>,
+    ) -> Result<Reply, Rejection> {
+        let c = crate::gpu::cuda::cuda()
+            .ok_or_else(|| reject(libc::ENODEV, NO_ENTRY, "no CUDA driver"))?;
+        let n = work.len();
+        let gb = self.ctl.cascade.layout().group_bytes();
+        let fail = |e: String| {
+            reject(
+                libc::EIO,
+                NO_ENTRY,
+                format!("cannot start the GPU restore: {e}"),
+            )
+        };
+        // Table: a 16-byte ready flag, then n descriptors {src, dst}.
+        let table = self
+            .ctl
+            .gpu_pool
+            .take_table(n)
+            .map_err(|e| fail(e.to_string()))?;
+        let table_dev = table
+            .device_ptr()
+            .ok_or_else(|| fail("the descriptor table is not device-mapped".into()))?;
+        let stream = self.ctl.gpu_pool.take_stream().map_err(fail)?;
+        let event = Arc::new(c.new_ipc_event().map_err(fail)?);
+        let ready = ReadyFlag(table.as_ptr().cast::<u32>());
+        // SAFETY: the table stays alive (moved into the job) until the job
+        // has waited for the event; the job sets the flag on every path.
+        let r =
+            unsafe { c.enqueue_gather(&stream, table_dev, table_dev + 16, n as u32, gb, &event) };
+        if let Err(e) = r {
+            ready.set(); // whatever was enqueued must not wait forever
+            return Err(fail(e));
+        }
+        let ticket = self.new_ticket();
+        let mut reply = Reply::ok(Command::Restore, ticket);
+        reply.message = format!("ipc_event={}", hex(&event.handle));
+        self.st.lock().events.insert(ticket, event.clone());
+        let s = self.clone();
+        let started = Instant::now();
+        self.ctl.exec.submit(Box::new(move || {
+            let mut table = table;
+            let ready = ready;
+            let cascade = s.ctl.cascade.clone();
+            let groups: Vec<GroupIndex> = work.iter().map(|(g, _, _)| *g).collect();
+            let (hits, pins) = cascade.pin_for_device(&groups);
+            let mut results: Vec<Result<(), CascadeError>> = (0..n).map(|_| Ok(())).collect();
+            let misses: Vec<usize> = (0..n).filter(|&i| hits[i].is_none()).collect();
+            let stride = cascade.layout().stride() as usize;
+            let mut staging = None;
+            let mut src: Vec<u64> = hits.iter().map(|h| h.unwrap_or(0)).collect();
+            if !misses.is_empty() {
+                match s.ctl.gpu_pool.take_staging(misses.len() * stride) {
+                    Ok(mut buf) => {
+                        let base = buf.device_ptr().unwrap_or(0);
+                        let mut items: Vec<(GroupIndex, &mut [u8])> = buf
+                            .as_mut_slice()
+                            .chunks_mut(stride)
+                            .zip(&misses)
+                            .map(|(b, &i)| (groups[i], &mut b[..gb as usize]))
+                            .collect();
+                        let rs = cascade.read_groups(&mut items);
+                        drop(items);
+                        for (k, (&i, r)) in misses.iter().zip(rs).enumerate() {
+                            match r {
+                                Ok(_) if base != 0 => src[i] = base + (k * stride) as u64,
+                                Ok(_) => {
+                                    results[i] = Err(CascadeError::RegionFault(
+                                        "staging is not device-mapped".into(),
+                                    ))
+                                }
+                                Err(e) => results[i] = Err(e),
+                            }
+                        }
+                        staging = Some(buf);
+                    }
+                    Err(e) => {
+                        for &i in &misses {
+                            results[i] = Err(CascadeError::Alloc {
+                                bytes: (misses.len() * stride) as u64,
+                                source: std::io::Error::new(e.kind(), e.to_string()),
+                            });
+                        }
+                    }
+                }
+            }
+            {
+                let descs = &mut table.as_mut_slice()[16..16 + 16 * n];
+                for (i, d) in descs.chunks_exact_mut(16).enumerate() {
+                    let dst = work[i].1.device_addr(work[i].2).unwrap_or(0);
+                    let sv = if results[i].is_ok() { src[i] } else { 0 };
+                    d[..8].copy_from_slice(&sv.to_le_bytes());
+                    d[8..].copy_from_slice(&dst.to_le_bytes());
+                }
+            }
+            ready.set();
+            // Before the table can go back to the pool (its drop sets the flag).
+            drop(ready);
+            if let Err(e) = c.wait_event(&event) {
+                tracing::error!("GPU restore of ticket {ticket} failed: {e}");
+                for r in results.iter_mut() {
+                    *r = Err(CascadeError::RegionFault(format!("GPU copy failed: {e}")));
+                }
+            }
+            drop(pins);
+            let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
+            s.ctl
+                .stats
+                .restored_bytes
+                .fetch_add(ok * gb, Ordering::Relaxed);
+            s.ctl.stats.restore_latency.observe(started.elapsed());
+            s.ctl.gpu_pool.give(table, stream, staging);
+            s.finish(ticket, results);
+        }));
+        Ok(reply)
+    }
+
+    /// A STORE from CUDA regions: device → pinned staging → T1 (write-back).
+    fn submit_gpu_store(self: &Arc<Session>, work: Vec<(GroupIndex, Arc<Region>, u64)>) -> Reply {
+        let ticket = self.new_ticket();
+        let s = self.clone();
+        let started = Instant::now();
+        self.ctl.exec.submit(Box::new(move || {
+            let gb = s.ctl.cascade.layout().group_bytes() as usize;
+            let c = crate::gpu::cuda::cuda();
+            let mut buf = s.ctl.gpu_pool.take_staging(gb);
+            let results: Vec<Result<(), CascadeError>> = work
+                .iter()
+                .map(|(g, r, off)| {
+                    let (Some(c), Ok(b), Some(src)) = (c, buf.as_mut(), r.device_addr(*off)) else {
+                        return Err(CascadeError::RegionFault(
+                            "no staging buffer or CUDA driver".into(),
+                        ));
+                    };
+                    let dst = &mut b.as_mut_slice()[..gb];
+                    // SAFETY: admission checked offset + group_bytes is inside the region.
+                    unsafe { c.copy_dtoh(dst, src) }
+                        .map_err(|e| CascadeError::RegionFault(format!("GPU copy failed: {e}")))?;
+                    s.ctl.cascade.write(*g, 0, dst)?;
+                    if let Some(h) = s.ctl.on_change.get() {
+                        h(*g);
+                    }
+                    Ok(())
+                })
+                .collect();
+            if let Ok(b) = buf {
+                s.ctl.gpu_pool.give_staging(b);
+            }
+            let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
+            s.ctl
+                .stats
+                .stored_bytes
+                .fetch_add(ok * gb as u64, Ordering::Relaxed);
+            s.ctl.stats.store_latency.observe(started.elapsed());
+            s.finish(ticket, results);
+        }));
+        Reply::ok(Command::Store, ticket)
     }
 
     fn query(&self, keys: &[RawKey]) -> Result<Reply, Rejection> {

@@ -31,6 +31,11 @@ pub const MAX_PATH: u32 = 4096;
 pub const IOCTL_TYPE: u32 = 0x4b;
 pub const IOCTL_NR: u32 = 1;
 pub const MAX_IOCTL_BYTES: usize = (1 << 14) - 1;
+/// REGISTER flags: a CUDA allocation named by its IPC handle.
+pub const REGISTER_CUDA: u64 = 1;
+/// CUDA REGISTER payload: IPC memory handle 64, offset u64, device u32, pad u32.
+pub const CUDA_REGISTER_BYTES: usize = 80;
+
 /// "No entry" in `entry_index` fields.
 pub const NO_ENTRY: u32 = u32::MAX;
 

@@ -123,3 +123,229 @@ impl Cuda {
         }
     }
 }
+
+/// The gather kernel, shipped as PTX text (source: kernels/gather.cu).
+const GATHER_PTX: &str = concat!(include_str!("kernels/gather.ptx"), "\0");
+/// Threads per gather block: a 16 KiB group is 1024 16-byte words, four
+/// per thread; 256 keeps enough blocks resident to cover PCIe latency.
+const GATHER_THREADS: u32 = 256;
+
+fn check(r: sys::CUresult, what: &str) -> Result<(), String> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("{what}: {r:?}"))
+    }
+}
+
+/// A CUDA stream of this process.
+pub struct Stream(sys::CUstream);
+// SAFETY: stream handles may be used from any thread with the context bound.
+unsafe impl Send for Stream {}
+
+/// An interprocess event and its exported handle.
+pub struct IpcEvent {
+    ev: sys::CUevent,
+    pub handle: [u8; 64],
+}
+// SAFETY: event handles may be used from any thread with the context bound.
+unsafe impl Send for IpcEvent {}
+// SAFETY: as for Send; the handle is never mutated after creation.
+unsafe impl Sync for IpcEvent {}
+
+impl Drop for IpcEvent {
+    fn drop(&mut self) {
+        if let Some(c) = cuda()
+            && c.bind().is_ok()
+        {
+            // SAFETY: ev was created by new_ipc_event and is dropped once.
+            unsafe {
+                sys::cuEventDestroy_v2(self.ev);
+            }
+        }
+    }
+}
+
+struct Kernel(sys::CUfunction);
+// SAFETY: a loaded function handle is valid in the context on any thread.
+unsafe impl Send for Kernel {}
+// SAFETY: as for Send.
+unsafe impl Sync for Kernel {}
+static GATHER: OnceLock<Result<Kernel, String>> = OnceLock::new();
+
+impl Cuda {
+    /// Opens a CUDA IPC memory handle; returns the allocation's base address
+    /// and size (from cuMemGetAddressRange).
+    pub fn open_ipc_mem(&self, handle: &[u8; 64]) -> Result<(u64, u64), String> {
+        self.bind()?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        for (d, s) in h.reserved.iter_mut().zip(handle) {
+            *d = *s as _;
+        }
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: h is a handle value; d receives the mapping.
+        let r = unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut d,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        };
+        check(r, "cuIpcOpenMemHandle")?;
+        let (mut base, mut size) = (0, 0usize);
+        // SAFETY: d is a valid device address just mapped.
+        let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, d) };
+        if let Err(e) = check(r, "cuMemGetAddressRange") {
+            self.close_ipc_mem(d);
+            return Err(e);
+        }
+        Ok((d, (base + size as u64).saturating_sub(d)))
+    }
+
+    /// Closes a mapping made by open_ipc_mem.
+    pub fn close_ipc_mem(&self, base: u64) {
+        if self.bind().is_ok() {
+            // SAFETY: base came from cuIpcOpenMemHandle and no copy uses it.
+            unsafe {
+                sys::cuIpcCloseMemHandle(base);
+            }
+        }
+    }
+
+    pub fn new_stream(&self) -> Result<Stream, String> {
+        self.bind()?;
+        let mut s = std::ptr::null_mut();
+        // SAFETY: s receives a new stream.
+        let r = unsafe {
+            sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+        };
+        check(r, "cuStreamCreate")?;
+        Ok(Stream(s))
+    }
+
+    /// An event other processes can open (cuIpcOpenEventHandle,
+    /// torch.cuda.Event.from_ipc_handle) and wait on from their streams.
+    pub fn new_ipc_event(&self) -> Result<IpcEvent, String> {
+        self.bind()?;
+        let mut ev = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
+            | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: ev receives a new event.
+        let r = unsafe { sys::cuEventCreate(&mut ev, flags) };
+        check(r, "cuEventCreate")?;
+        let mut h = sys::CUipcEventHandle_st { reserved: [0; 64] };
+        // SAFETY: ev is an interprocess event.
+        let r = unsafe { sys::cuIpcGetEventHandle(&mut h, ev) };
+        if let Err(e) = check(r, "cuIpcGetEventHandle") {
+            // SAFETY: ev was just created.
+            unsafe {
+                sys::cuEventDestroy_v2(ev);
+            }
+            return Err(e);
+        }
+        let mut handle = [0u8; 64];
+        for (d, s) in handle.iter_mut().zip(h.reserved) {
+            *d = s as u8;
+        }
+        Ok(IpcEvent { ev, handle })
+    }
+
+    fn gather(&self) -> Result<sys::CUfunction, String> {
+        GATHER
+            .get_or_init(|| {
+                self.bind()?;
+                let mut m = std::ptr::null_mut();
+                // SAFETY: GATHER_PTX is NUL-terminated PTX text.
+                let r = unsafe { sys::cuModuleLoadData(&mut m, GATHER_PTX.as_ptr().cast()) };
+                check(r, "cuModuleLoadData")?;
+                let mut f = std::ptr::null_mut();
+                // SAFETY: m is the loaded module; the name is NUL-terminated.
+                let r = unsafe { sys::cuModuleGetFunction(&mut f, m, c"kvfs_gather".as_ptr()) };
+                check(r, "cuModuleGetFunction")?;
+                Ok(Kernel(f))
+            })
+            .as_ref()
+            .map(|k| k.0)
+            .map_err(Clone::clone)
+    }
+
+    /// Enqueues on `stream`: wait until the u32 at device address `ready`
+    /// is at least 1; gather `n` descriptors ({src, dst} device addresses,
+    /// src 0 = skip) of `bytes` each; record `event`. The host fills the
+    /// descriptors, then sets `ready`.
+    ///
+    /// # Safety
+    /// `ready` and `descs` stay mapped until `event` completes; every
+    /// descriptor written before `ready` is set names `bytes` readable and
+    /// writable device-visible bytes, 16-byte aligned.
+    pub unsafe fn enqueue_gather(
+        &self,
+        stream: &Stream,
+        ready: u64,
+        descs: u64,
+        n: u32,
+        bytes: u64,
+        event: &IpcEvent,
+    ) -> Result<(), String> {
+        self.bind()?;
+        let f = self.gather()?;
+        // SAFETY: ready is mapped pinned memory (caller's contract).
+        let r = unsafe {
+            sys::cuStreamWaitValue32_v2(
+                stream.0,
+                ready,
+                1,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        };
+        check(r, "cuStreamWaitValue32")?;
+        if n > 0 {
+            let (mut a, mut b, mut c) = (descs, n, bytes);
+            let mut params: [*mut std::ffi::c_void; 3] = [
+                (&mut a as *mut u64).cast(),
+                (&mut b as *mut u32).cast(),
+                (&mut c as *mut u64).cast(),
+            ];
+            // SAFETY: the kernel's parameters are (u64, u32, u64) as passed;
+            // the descriptors' validity is the caller's contract.
+            let r = unsafe {
+                sys::cuLaunchKernel(
+                    f,
+                    n,
+                    1,
+                    1,
+                    GATHER_THREADS,
+                    1,
+                    1,
+                    0,
+                    stream.0,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            };
+            check(r, "cuLaunchKernel(kvfs_gather)")?;
+        }
+        // SAFETY: event and stream are live handles of this context.
+        let r = unsafe { sys::cuEventRecord(event.ev, stream.0) };
+        check(r, "cuEventRecord")
+    }
+
+    /// Blocks until everything recorded before `event` has run.
+    pub fn wait_event(&self, event: &IpcEvent) -> Result<(), String> {
+        self.bind()?;
+        // SAFETY: a live event.
+        let r = unsafe { sys::cuEventSynchronize(event.ev) };
+        check(r, "cuEventSynchronize")
+    }
+
+    /// Copies device bytes to host memory (synchronous).
+    ///
+    /// # Safety
+    /// `src..src+dst.len()` is readable device memory.
+    pub unsafe fn copy_dtoh(&self, dst: &mut [u8], src: u64) -> Result<(), String> {
+        self.bind()?;
+        // SAFETY: the caller's contract; dst is a host slice of the length given.
+        let r = unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) };
+        check(r, "cuMemcpyDtoH")
+    }
+}
