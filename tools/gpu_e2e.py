@@ -25,6 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kvfs_client import Kvfs  # noqa: E402
 
 
+WAIT_S = 60  # a ticket that takes longer than this is a failure, not a wait
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
 def keys_of(layout, n, start=0):
     """The first n group keys of the layout from index `start`, in index order."""
     heads, blocks = layout["kv_heads"], layout["blocks"]
@@ -45,9 +52,12 @@ def correctness(kv, gb, dev):
     data = torch.randint(0, 256, (n * gb,), dtype=torch.uint8, device=dev)
     expect = data.clone()
     region = kv.register_tensor(data)
+    log("registered a CUDA region")
     keys = keys_of(kv.layout, n)
     torch.cuda.synchronize()
-    kv.store([k + (region, i * gb) for i, k in enumerate(keys)])
+    t = kv.store([k + (region, i * gb) for i, k in enumerate(keys)], wait=False)
+    kv.wait(t, timeout=WAIT_S)
+    log(f"stored {n} groups from GPU memory")
     data.zero_()
     torch.cuda.synchronize()
     # Restore in reverse order into a second tensor, and wait on the IPC event.
@@ -55,13 +65,15 @@ def correctness(kv, gb, dev):
     r2 = kv.register_tensor(back)
     t = kv.restore([k + (r2, (n - 1 - i) * gb) for i, k in enumerate(keys)], wait=False)
     assert t.ipc_event_handle is not None, "a CUDA restore carries an IPC event"
+    log("restore submitted; waiting on its IPC event from a torch stream")
+    kv.wait(t, timeout=WAIT_S)
+    log("restore ticket completed")
     ev = torch.cuda.Event.from_ipc_handle(dev, t.ipc_event_handle)
     s = torch.cuda.Stream(dev)
     s.wait_event(ev)
     with torch.cuda.stream(s):
         flipped = back.view(n, gb).flip(0).reshape(-1)
         same = torch.equal(flipped, expect)
-    kv.wait(t)
     assert same, "restored bytes differ (compared on a stream that waited on the IPC event)"
     kv.unregister(region)
     kv.unregister(r2)
@@ -106,13 +118,13 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds):
         for b in batches:
             pending.append(kv.restore(b, wait=False))
             if len(pending) >= inflight:
-                kv.wait(pending.pop(0))
+                kv.wait(pending.pop(0), timeout=WAIT_S)
         for t in pending:
-            kv.wait(t)
+            kv.wait(t, timeout=WAIT_S)
 
     def one_at_a_time():
         for b in batches:
-            kv.restore(b)
+            kv.wait(kv.restore(b, wait=False), timeout=WAIT_S)
 
     pipelined()  # warm: kernel load, pools
     t_pipe = timed(pipelined)

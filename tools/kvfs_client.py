@@ -162,6 +162,14 @@ class Kvfs:
             raise ValueError("register_tensor needs a contiguous CUDA tensor")
         storage = tensor.untyped_storage()
         device, handle, _size, storage_offset = storage._share_cuda_()[:4]
+        handle = bytes(handle)
+        # torch's caching allocator prefixes the cudaIpcMemHandle_t with a
+        # version byte and a type byte ('c': a plain cudaMalloc block).
+        if len(handle) == 66:
+            if handle[1:2] != b"c":
+                raise ValueError("this tensor lives in an expandable segment, which has no CUDA IPC "
+                                 "memory handle; allocate it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
+            handle = handle[2:]
         offset = storage_offset + tensor.storage_offset() * tensor.element_size()
         return self.register_cuda_region(handle, tensor.numel() * tensor.element_size(), device, offset)
 

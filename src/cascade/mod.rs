@@ -81,6 +81,8 @@ pub enum CascadeError {
     MetaSync(#[source] io::Error),
     #[error("region file {0} shrank under the copy; its bytes were not moved")]
     RegionFault(String),
+    #[error("internal error: {0}")]
+    Internal(String),
     #[error("T1 needs room for at least one group ({stride} bytes), got {t1_bytes}")]
     T1TooSmall { t1_bytes: u64, stride: u64 },
     #[error("cannot allocate T1 ({bytes} bytes): {source}")]
@@ -109,6 +111,7 @@ impl CascadeError {
             CascadeError::OutOfRange(_) => libc::ENOENT,
             CascadeError::MetaSync(source) => source.raw_os_error().unwrap_or(libc::EIO),
             CascadeError::RegionFault(_) => libc::EFAULT,
+            CascadeError::Internal(_) => libc::EIO,
             CascadeError::T1TooSmall { .. } => libc::EINVAL,
             CascadeError::Alloc { .. } => libc::ENOMEM,
         }
@@ -438,6 +441,22 @@ impl Cascade {
 
     pub fn t1_slots(&self) -> u32 {
         self.n_slots
+    }
+
+    /// The geometry plus T1 size, tier and policy, as one JSON object
+    /// (`.kvfs/layout`, the control file's HELLO).
+    pub fn describe_json(&self) -> String {
+        let l = &self.layout;
+        let json = l.to_json();
+        format!(
+            "{},\"t1_bytes\":{},\"t1_slots\":{},\"tier\":\"{}\",\"policy\":\"{}\",\"t1_pinned\":{}}}",
+            &json[..json.len() - 1],
+            self.n_slots as u64 * l.stride(),
+            self.n_slots,
+            self.tier_name(),
+            self.policy_name(),
+            self.slot_device_ptr(SlotId(0)).is_some()
+        )
     }
 
     // ---- slot memory -------------------------------------------------

@@ -189,7 +189,9 @@ impl Executor {
                                 e.ready.wait(&mut q);
                             }
                         };
-                        job();
+                        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
+                            tracing::error!("an executor job panicked; its ticket fails with EIO");
+                        }
                     }
                 })
                 .expect("cannot start executor thread");
@@ -200,6 +202,17 @@ impl Executor {
     fn submit(&self, job: Job) {
         self.queue.lock().push_back(job);
         self.ready.notify_one();
+    }
+
+    /// Runs `job` for `ticket`; if it panics, the ticket still completes
+    /// (with EIO), so no waiter waits forever.
+    fn submit_ticket(&self, s: &Arc<Session>, ticket: u64, job: Job) {
+        let s = s.clone();
+        self.submit(Box::new(move || {
+            let guard = Unfinished(Some((s, ticket)));
+            job();
+            std::mem::forget(guard);
+        }));
     }
 }
 
@@ -269,6 +282,22 @@ struct ControlStats {
     stored_bytes: AtomicU64,
     failed_entries: AtomicU64,
     sessions: AtomicU64,
+}
+
+/// Completes a ticket with an error if its job unwinds before finishing it.
+struct Unfinished(Option<(Arc<Session>, u64)>);
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        if let Some((s, t)) = self.0.take() {
+            s.finish(
+                t,
+                vec![Err(CascadeError::Internal(format!(
+                    "ticket {t}'s job failed; see the daemon log"
+                )))],
+            );
+        }
+    }
 }
 
 /// Sets a GPU ticket's ready flag (a u32 in pinned memory the stream waits
@@ -861,9 +890,8 @@ impl Session {
     }
 
     fn hello(&self) -> Reply {
-        let l = self.ctl.cascade.layout();
         let mut r = Reply::ok(Command::Hello, wire::VERSION as u64);
-        r.message = l.to_json();
+        r.message = self.ctl.cascade.describe_json();
         r
     }
 
@@ -1302,7 +1330,7 @@ impl Session {
                 s.finish(ticket, results);
             }),
         };
-        self.ctl.exec.submit(job);
+        self.ctl.exec.submit_ticket(self, ticket, job);
         Ok(Reply::ok(cmd, ticket))
     }
 
@@ -1355,80 +1383,92 @@ impl Session {
         self.st.lock().events.insert(ticket, event.clone());
         let s = self.clone();
         let started = Instant::now();
-        self.ctl.exec.submit(Box::new(move || {
-            let mut table = table;
-            let ready = ready;
-            let cascade = s.ctl.cascade.clone();
-            let groups: Vec<GroupIndex> = work.iter().map(|(g, _, _)| *g).collect();
-            let (hits, pins) = cascade.pin_for_device(&groups);
-            let mut results: Vec<Result<(), CascadeError>> = (0..n).map(|_| Ok(())).collect();
-            let misses: Vec<usize> = (0..n).filter(|&i| hits[i].is_none()).collect();
-            let stride = cascade.layout().stride() as usize;
-            let mut staging = None;
-            let mut src: Vec<u64> = hits.iter().map(|h| h.unwrap_or(0)).collect();
-            if !misses.is_empty() {
-                match s.ctl.gpu_pool.take_staging(misses.len() * stride) {
-                    Ok(mut buf) => {
-                        let base = buf.device_ptr().unwrap_or(0);
-                        let mut items: Vec<(GroupIndex, &mut [u8])> = buf
-                            .as_mut_slice()
-                            .chunks_mut(stride)
-                            .zip(&misses)
-                            .map(|(b, &i)| (groups[i], &mut b[..gb as usize]))
-                            .collect();
-                        let rs = cascade.read_groups(&mut items);
-                        drop(items);
-                        for (k, (&i, r)) in misses.iter().zip(rs).enumerate() {
-                            match r {
-                                Ok(_) if base != 0 => src[i] = base + (k * stride) as u64,
-                                Ok(_) => {
-                                    results[i] = Err(CascadeError::RegionFault(
-                                        "staging is not device-mapped".into(),
-                                    ))
+        tracing::debug!(ticket, n, "GPU restore enqueued");
+        self.ctl.exec.submit_ticket(
+            self,
+            ticket,
+            Box::new(move || {
+                let mut table = table;
+                let ready = ready;
+                let cascade = s.ctl.cascade.clone();
+                let groups: Vec<GroupIndex> = work.iter().map(|(g, _, _)| *g).collect();
+                let (hits, pins) = cascade.pin_for_device(&groups);
+                let mut results: Vec<Result<(), CascadeError>> = (0..n).map(|_| Ok(())).collect();
+                let misses: Vec<usize> = (0..n).filter(|&i| hits[i].is_none()).collect();
+                let stride = cascade.layout().stride() as usize;
+                let mut staging = None;
+                let mut src: Vec<u64> = hits.iter().map(|h| h.unwrap_or(0)).collect();
+                if !misses.is_empty() {
+                    match s.ctl.gpu_pool.take_staging(misses.len() * stride) {
+                        Ok(mut buf) => {
+                            let base = buf.device_ptr().unwrap_or(0);
+                            let mut items: Vec<(GroupIndex, &mut [u8])> = buf
+                                .as_mut_slice()
+                                .chunks_mut(stride)
+                                .zip(&misses)
+                                .map(|(b, &i)| (groups[i], &mut b[..gb as usize]))
+                                .collect();
+                            let rs = cascade.read_groups(&mut items);
+                            drop(items);
+                            for (k, (&i, r)) in misses.iter().zip(rs).enumerate() {
+                                match r {
+                                    Ok(_) if base != 0 => src[i] = base + (k * stride) as u64,
+                                    Ok(_) => {
+                                        results[i] = Err(CascadeError::RegionFault(
+                                            "staging is not device-mapped".into(),
+                                        ))
+                                    }
+                                    Err(e) => results[i] = Err(e),
                                 }
-                                Err(e) => results[i] = Err(e),
+                            }
+                            staging = Some(buf);
+                        }
+                        Err(e) => {
+                            for &i in &misses {
+                                results[i] = Err(CascadeError::Alloc {
+                                    bytes: (misses.len() * stride) as u64,
+                                    source: std::io::Error::new(e.kind(), e.to_string()),
+                                });
                             }
                         }
-                        staging = Some(buf);
-                    }
-                    Err(e) => {
-                        for &i in &misses {
-                            results[i] = Err(CascadeError::Alloc {
-                                bytes: (misses.len() * stride) as u64,
-                                source: std::io::Error::new(e.kind(), e.to_string()),
-                            });
-                        }
                     }
                 }
-            }
-            {
-                let descs = &mut table.as_mut_slice()[16..16 + 16 * n];
-                for (i, d) in descs.chunks_exact_mut(16).enumerate() {
-                    let dst = work[i].1.device_addr(work[i].2).unwrap_or(0);
-                    let sv = if results[i].is_ok() { src[i] } else { 0 };
-                    d[..8].copy_from_slice(&sv.to_le_bytes());
-                    d[8..].copy_from_slice(&dst.to_le_bytes());
+                {
+                    let descs = &mut table.as_mut_slice()[16..16 + 16 * n];
+                    for (i, d) in descs.chunks_exact_mut(16).enumerate() {
+                        let dst = work[i].1.device_addr(work[i].2).unwrap_or(0);
+                        let sv = if results[i].is_ok() { src[i] } else { 0 };
+                        d[..8].copy_from_slice(&sv.to_le_bytes());
+                        d[8..].copy_from_slice(&dst.to_le_bytes());
+                    }
                 }
-            }
-            ready.set();
-            // Before the table can go back to the pool (its drop sets the flag).
-            drop(ready);
-            if let Err(e) = c.wait_event(&event) {
-                tracing::error!("GPU restore of ticket {ticket} failed: {e}");
-                for r in results.iter_mut() {
-                    *r = Err(CascadeError::RegionFault(format!("GPU copy failed: {e}")));
+                tracing::debug!(
+                    ticket,
+                    misses = misses.len(),
+                    "GPU restore: descriptors ready"
+                );
+                ready.set();
+                // Before the table can go back to the pool (its drop sets the flag).
+                drop(ready);
+                let r = c.wait_event(&event);
+                tracing::debug!(ticket, ok = r.is_ok(), "GPU restore: copy done");
+                if let Err(e) = r {
+                    tracing::error!("GPU restore of ticket {ticket} failed: {e}");
+                    for r in results.iter_mut() {
+                        *r = Err(CascadeError::RegionFault(format!("GPU copy failed: {e}")));
+                    }
                 }
-            }
-            drop(pins);
-            let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
-            s.ctl
-                .stats
-                .restored_bytes
-                .fetch_add(ok * gb, Ordering::Relaxed);
-            s.ctl.stats.restore_latency.observe(started.elapsed());
-            s.ctl.gpu_pool.give(table, stream, staging);
-            s.finish(ticket, results);
-        }));
+                drop(pins);
+                let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
+                s.ctl
+                    .stats
+                    .restored_bytes
+                    .fetch_add(ok * gb, Ordering::Relaxed);
+                s.ctl.stats.restore_latency.observe(started.elapsed());
+                s.ctl.gpu_pool.give(table, stream, staging);
+                s.finish(ticket, results);
+            }),
+        );
         Ok(reply)
     }
 
@@ -1437,40 +1477,47 @@ impl Session {
         let ticket = self.new_ticket();
         let s = self.clone();
         let started = Instant::now();
-        self.ctl.exec.submit(Box::new(move || {
-            let gb = s.ctl.cascade.layout().group_bytes() as usize;
-            let c = crate::gpu::cuda::cuda();
-            let mut buf = s.ctl.gpu_pool.take_staging(gb);
-            let results: Vec<Result<(), CascadeError>> = work
-                .iter()
-                .map(|(g, r, off)| {
-                    let (Some(c), Ok(b), Some(src)) = (c, buf.as_mut(), r.device_addr(*off)) else {
-                        return Err(CascadeError::RegionFault(
-                            "no staging buffer or CUDA driver".into(),
-                        ));
-                    };
-                    let dst = &mut b.as_mut_slice()[..gb];
-                    // SAFETY: admission checked offset + group_bytes is inside the region.
-                    unsafe { c.copy_dtoh(dst, src) }
-                        .map_err(|e| CascadeError::RegionFault(format!("GPU copy failed: {e}")))?;
-                    s.ctl.cascade.write(*g, 0, dst)?;
-                    if let Some(h) = s.ctl.on_change.get() {
-                        h(*g);
-                    }
-                    Ok(())
-                })
-                .collect();
-            if let Ok(b) = buf {
-                s.ctl.gpu_pool.give_staging(b);
-            }
-            let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
-            s.ctl
-                .stats
-                .stored_bytes
-                .fetch_add(ok * gb as u64, Ordering::Relaxed);
-            s.ctl.stats.store_latency.observe(started.elapsed());
-            s.finish(ticket, results);
-        }));
+        tracing::debug!(ticket, n = work.len(), "GPU store submitted");
+        self.ctl.exec.submit_ticket(
+            self,
+            ticket,
+            Box::new(move || {
+                let gb = s.ctl.cascade.layout().group_bytes() as usize;
+                let c = crate::gpu::cuda::cuda();
+                let mut buf = s.ctl.gpu_pool.take_staging(gb);
+                let results: Vec<Result<(), CascadeError>> = work
+                    .iter()
+                    .map(|(g, r, off)| {
+                        let (Some(c), Ok(b), Some(src)) = (c, buf.as_mut(), r.device_addr(*off))
+                        else {
+                            return Err(CascadeError::RegionFault(
+                                "no staging buffer or CUDA driver".into(),
+                            ));
+                        };
+                        let dst = &mut b.as_mut_slice()[..gb];
+                        // SAFETY: admission checked offset + group_bytes is inside the region.
+                        unsafe { c.copy_dtoh(dst, src) }.map_err(|e| {
+                            CascadeError::RegionFault(format!("GPU copy failed: {e}"))
+                        })?;
+                        s.ctl.cascade.write(*g, 0, dst)?;
+                        if let Some(h) = s.ctl.on_change.get() {
+                            h(*g);
+                        }
+                        Ok(())
+                    })
+                    .collect();
+                if let Ok(b) = buf {
+                    s.ctl.gpu_pool.give_staging(b);
+                }
+                let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
+                s.ctl
+                    .stats
+                    .stored_bytes
+                    .fetch_add(ok * gb as u64, Ordering::Relaxed);
+                s.ctl.stats.store_latency.observe(started.elapsed());
+                s.finish(ticket, results);
+            }),
+        );
         Reply::ok(Command::Store, ticket)
     }
 
@@ -1508,10 +1555,14 @@ impl Session {
             .collect::<Result<_, _>>()?;
         let ticket = self.new_ticket();
         let s = self.clone();
-        self.ctl.exec.submit(Box::new(move || {
-            let results = gs.iter().map(|g| s.ctl.cascade.prefetch(*g)).collect();
-            s.finish(ticket, results);
-        }));
+        self.ctl.exec.submit_ticket(
+            self,
+            ticket,
+            Box::new(move || {
+                let results = gs.iter().map(|g| s.ctl.cascade.prefetch(*g)).collect();
+                s.finish(ticket, results);
+            }),
+        );
         Ok(Reply::ok(Command::Prefetch, ticket))
     }
 }

@@ -454,17 +454,7 @@ impl KvFs {
     }
 
     fn render_layout(&self) -> String {
-        let c = &self.cascade;
-        let l = c.layout();
-        let json = l.to_json();
-        format!(
-            "{},\"t1_bytes\":{},\"t1_slots\":{},\"tier\":\"{}\",\"policy\":\"{}\"}}\n",
-            &json[..json.len() - 1],
-            c.t1_slots() as u64 * l.stride(),
-            c.t1_slots(),
-            c.tier_name(),
-            c.policy_name()
-        )
+        format!("{}\n", self.cascade.describe_json())
     }
 
     fn xattr(&self, g: GroupIndex, name: &str) -> Result<Option<String>, CascadeError> {
