@@ -547,7 +547,10 @@ impl Cascade {
             return Ok(b);
         }
         let bytes = self.layout.stride();
-        HostBuf::alloc(bytes as usize).map_err(|source| CascadeError::Alloc { bytes, source })
+        // Plain memory, never pinned: pinning is a CUDA call that waits for
+        // the device to go idle, and a miss may be read while a GPU stream
+        // waits on this very thread (see control's GPU restores).
+        HostBuf::alloc_plain(bytes as usize).map_err(|source| CascadeError::Alloc { bytes, source })
     }
 
     fn give_staging(&self, b: HostBuf) {
@@ -896,7 +899,8 @@ impl Cascade {
         }
         let stride = self.layout.stride() as usize;
         for chunk in misses.chunks(SYNC_BATCH) {
-            let mut staging = match HostBuf::alloc(stride * chunk.len()) {
+            // Plain, never pinned (see take_staging).
+            let mut staging = match HostBuf::alloc_plain(stride * chunk.len()) {
                 Ok(b) => b,
                 Err(source) => {
                     for &i in chunk {

@@ -332,6 +332,7 @@ struct GpuPool {
     streams: Mutex<Vec<crate::gpu::cuda::Stream>>,
     tables: Mutex<Vec<crate::gpu::HostBuf>>,
     staging: Mutex<Vec<crate::gpu::HostBuf>>,
+    reaper: OnceLock<Mutex<std::sync::mpsc::Sender<crate::gpu::HostBuf>>>,
 }
 
 /// Pooled buffers kept per kind.
@@ -368,10 +369,32 @@ impl GpuPool {
             .new_stream()
     }
 
+    /// Frees pinned memory on a thread of its own: cuMemFreeHost waits for
+    /// the device to go idle, and an executor thread must never wait on a
+    /// stream that may be waiting on a job still queued behind it.
+    fn free(&self, b: crate::gpu::HostBuf) {
+        let tx = self.reaper.get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel::<crate::gpu::HostBuf>();
+            std::thread::Builder::new()
+                .name("kvfs-gpu-free".into())
+                .spawn(move || {
+                    for b in rx {
+                        drop(b);
+                    }
+                })
+                .expect("cannot start the GPU free thread");
+            Mutex::new(tx)
+        });
+        let _ = tx.lock().send(b);
+    }
+
     fn give_staging(&self, b: crate::gpu::HostBuf) {
         let mut t = self.staging.lock();
         if t.len() < GPU_POOL_KEEP {
             t.push(b);
+        } else {
+            drop(t);
+            self.free(b);
         }
     }
 
@@ -385,6 +408,9 @@ impl GpuPool {
             let mut t = self.tables.lock();
             if t.len() < GPU_POOL_KEEP {
                 t.push(table);
+            } else {
+                drop(t);
+                self.free(table);
             }
         }
         self.streams.lock().push(stream);
@@ -1366,6 +1392,16 @@ impl Session {
         let table_dev = table
             .device_ptr()
             .ok_or_else(|| fail("the descriptor table is not device-mapped".into()))?;
+        let stride = self.ctl.cascade.layout().stride() as usize;
+        // Everything the job needs is allocated here, before the stream is
+        // told to wait: pinning memory makes CUDA wait for the device to go
+        // idle, and the device then waits on this ticket's flag, which only
+        // the job sets. The job itself makes no such call.
+        let staging = self
+            .ctl
+            .gpu_pool
+            .take_staging(n * stride)
+            .map_err(|e| fail(e.to_string()))?;
         let stream = self.ctl.gpu_pool.take_stream().map_err(fail)?;
         let event = Arc::new(c.new_ipc_event().map_err(fail)?);
         let ready = ReadyFlag(table.as_ptr().cast::<u32>());
@@ -1395,41 +1431,27 @@ impl Session {
                 let (hits, pins) = cascade.pin_for_device(&groups);
                 let mut results: Vec<Result<(), CascadeError>> = (0..n).map(|_| Ok(())).collect();
                 let misses: Vec<usize> = (0..n).filter(|&i| hits[i].is_none()).collect();
-                let stride = cascade.layout().stride() as usize;
-                let mut staging = None;
+                let mut staging = staging;
                 let mut src: Vec<u64> = hits.iter().map(|h| h.unwrap_or(0)).collect();
                 if !misses.is_empty() {
-                    match s.ctl.gpu_pool.take_staging(misses.len() * stride) {
-                        Ok(mut buf) => {
-                            let base = buf.device_ptr().unwrap_or(0);
-                            let mut items: Vec<(GroupIndex, &mut [u8])> = buf
-                                .as_mut_slice()
-                                .chunks_mut(stride)
-                                .zip(&misses)
-                                .map(|(b, &i)| (groups[i], &mut b[..gb as usize]))
-                                .collect();
-                            let rs = cascade.read_groups(&mut items);
-                            drop(items);
-                            for (k, (&i, r)) in misses.iter().zip(rs).enumerate() {
-                                match r {
-                                    Ok(_) if base != 0 => src[i] = base + (k * stride) as u64,
-                                    Ok(_) => {
-                                        results[i] = Err(CascadeError::RegionFault(
-                                            "staging is not device-mapped".into(),
-                                        ))
-                                    }
-                                    Err(e) => results[i] = Err(e),
-                                }
+                    let base = staging.device_ptr().unwrap_or(0);
+                    let mut items: Vec<(GroupIndex, &mut [u8])> = staging
+                        .as_mut_slice()
+                        .chunks_mut(stride)
+                        .zip(&misses)
+                        .map(|(b, &i)| (groups[i], &mut b[..gb as usize]))
+                        .collect();
+                    let rs = cascade.read_groups(&mut items);
+                    drop(items);
+                    for (k, (&i, r)) in misses.iter().zip(rs).enumerate() {
+                        match r {
+                            Ok(_) if base != 0 => src[i] = base + (k * stride) as u64,
+                            Ok(_) => {
+                                results[i] = Err(CascadeError::Internal(
+                                    "staging is not device-mapped".into(),
+                                ))
                             }
-                            staging = Some(buf);
-                        }
-                        Err(e) => {
-                            for &i in &misses {
-                                results[i] = Err(CascadeError::Alloc {
-                                    bytes: (misses.len() * stride) as u64,
-                                    source: std::io::Error::new(e.kind(), e.to_string()),
-                                });
-                            }
+                            Err(e) => results[i] = Err(e),
                         }
                     }
                 }
@@ -1465,7 +1487,7 @@ impl Session {
                     .restored_bytes
                     .fetch_add(ok * gb, Ordering::Relaxed);
                 s.ctl.stats.restore_latency.observe(started.elapsed());
-                s.ctl.gpu_pool.give(table, stream, staging);
+                s.ctl.gpu_pool.give(table, stream, Some(staging));
                 s.finish(ticket, results);
             }),
         );
@@ -1474,6 +1496,11 @@ impl Session {
 
     /// A STORE from CUDA regions: device → pinned staging → T1 (write-back).
     fn submit_gpu_store(self: &Arc<Session>, work: Vec<(GroupIndex, Arc<Region>, u64)>) -> Reply {
+        // Pinned here, not in the job (see submit_gpu_restore).
+        let staging = self
+            .ctl
+            .gpu_pool
+            .take_staging(self.ctl.cascade.layout().group_bytes() as usize);
         let ticket = self.new_ticket();
         let s = self.clone();
         let started = Instant::now();
@@ -1484,7 +1511,7 @@ impl Session {
             Box::new(move || {
                 let gb = s.ctl.cascade.layout().group_bytes() as usize;
                 let c = crate::gpu::cuda::cuda();
-                let mut buf = s.ctl.gpu_pool.take_staging(gb);
+                let mut buf = staging;
                 let results: Vec<Result<(), CascadeError>> = work
                     .iter()
                     .map(|(g, r, off)| {
