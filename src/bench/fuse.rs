@@ -6,11 +6,9 @@
 //! serve from its page cache), with 1 and 2 reader threads.
 
 use super::{Rng, thousands};
-use crate::cascade::{BackingConfig, Cascade, CascadeConfig};
 use crate::fs::{BareFs, KvFs, mount_background};
 use crate::geometry::{GroupIndex, GroupLayout};
 use crate::gpu::HostBuf;
-use crate::tier::TierKind;
 use anyhow::{Context, bail};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -167,18 +165,7 @@ pub fn run(b: &FuseBench) -> anyhow::Result<FuseResult> {
     if gb != READ {
         bail!("bench layout has {gb}-byte groups, expected {READ}");
     }
-    let cascade = Arc::new(Cascade::open(
-        &BackingConfig {
-            dir: scratch.path().join("backing"),
-            layout: Some(layout),
-            tier: TierKind::Uring,
-            queue_depth: 32,
-        },
-        CascadeConfig {
-            t1_bytes: (b.groups + 16) * layout.stride(),
-            ..CascadeConfig::default()
-        },
-    )?);
+    let cascade = super::scratch_cascade(scratch.path(), layout, b.groups + 16)?;
     let tmp = tempfile::Builder::new()
         .prefix("kvfs-bench-fuse")
         .tempdir_in(&b.tmpfs)?;

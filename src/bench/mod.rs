@@ -8,6 +8,28 @@ pub mod backing;
 pub mod fuse;
 pub mod restore;
 
+/// A cascade for a bench: a fresh uring-backed store in `dir` with
+/// room in T1 for `t1_groups` groups.
+pub fn scratch_cascade(
+    dir: &std::path::Path,
+    layout: crate::geometry::GroupLayout,
+    t1_groups: u64,
+) -> anyhow::Result<std::sync::Arc<crate::cascade::Cascade>> {
+    use crate::cascade::{BackingConfig, Cascade, CascadeConfig};
+    Ok(std::sync::Arc::new(Cascade::open(
+        &BackingConfig {
+            dir: dir.join("backing"),
+            layout: Some(layout),
+            tier: crate::tier::TierKind::Uring,
+            queue_depth: crate::tier::DEFAULT_QUEUE_DEPTH,
+        },
+        CascadeConfig {
+            t1_bytes: t1_groups * layout.stride(),
+            ..CascadeConfig::default()
+        },
+    )?))
+}
+
 /// splitmix64: a fast, seedable generator for random offsets; benches need
 /// speed and repeatability, not cryptographic quality.
 pub struct Rng(u64);

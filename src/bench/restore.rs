@@ -4,14 +4,12 @@
 //! 1024; all T1 hits, or all backing misses.
 
 use super::{Rng, thousands};
-use crate::cascade::{BackingConfig, Cascade, CascadeConfig, Residence};
+use crate::cascade::Residence;
 use crate::client::Client;
 use crate::fs::{KvFs, mount_background};
 use crate::geometry::{Dtype, GroupIndex, GroupLayout};
-use crate::tier::TierKind;
 use anyhow::{Context, bail};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(Clone, Debug)]
@@ -57,18 +55,7 @@ fn run_size(b: &RestoreBench, block_tokens: u32) -> anyhow::Result<Vec<RestoreRo
     let scratch = tempfile::Builder::new()
         .prefix("kvfs-bench-restore")
         .tempdir_in(&b.dir)?;
-    let cascade = Arc::new(Cascade::open(
-        &BackingConfig {
-            dir: scratch.path().join("backing"),
-            layout: Some(layout),
-            tier: TierKind::Uring,
-            queue_depth: 32,
-        },
-        CascadeConfig {
-            t1_bytes: (HOT + 64) * layout.stride(),
-            ..CascadeConfig::default()
-        },
-    )?);
+    let cascade = super::scratch_cascade(scratch.path(), layout, HOT + 64)?;
     let data: Vec<u8> = (0..gb as usize).map(|i| (i * 13 + 1) as u8).collect();
     // Cold groups first (they get evicted), then the hot set last.
     for g in (HOT..GROUPS).chain(0..HOT) {

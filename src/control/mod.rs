@@ -476,29 +476,26 @@ impl Control {
         let cmds = [
             Hello, Register, Unregister, Restore, Store, Query, Prefetch, Wait,
         ];
-        e.header(
-            "kvfs_control_requests_total",
-            "counter",
-            "Control requests admitted, by command.",
-        );
-        for c in cmds {
-            e.sample(
+        for (name, help, counts) in [
+            (
                 "kvfs_control_requests_total",
-                &format!("command=\"{}\"", c.name()),
-                self.stats.requests[c as usize].load(Ordering::Relaxed),
-            );
-        }
-        e.header(
-            "kvfs_control_rejected_total",
-            "counter",
-            "Control requests rejected, by command.",
-        );
-        for c in cmds {
-            e.sample(
+                "Control requests admitted, by command.",
+                &self.stats.requests,
+            ),
+            (
                 "kvfs_control_rejected_total",
-                &format!("command=\"{}\"", c.name()),
-                self.stats.rejected[c as usize].load(Ordering::Relaxed),
-            );
+                "Control requests rejected, by command.",
+                &self.stats.rejected,
+            ),
+        ] {
+            e.header(name, "counter", help);
+            for c in cmds {
+                e.sample(
+                    name,
+                    &format!("command=\"{}\"", c.name()),
+                    counts[c as usize].load(Ordering::Relaxed),
+                );
+            }
         }
         e.single(
             "kvfs_control_failed_entries_total",
