@@ -693,3 +693,56 @@ fn t1_arrives_in_chunks_and_all_of_it_is_used() {
         assert_eq!(out, pattern(g, gb));
     }
 }
+
+/// The seed's eviction guard, at the cascade level: slots held for a device
+/// copy are never evicted, overwritten or reused until the copy lets go.
+/// T1 of 2 slots, 4 groups: pin the 2 resident groups "for the GPU", then a
+/// writer needs slots for the other 2 and must wait, not evict.
+#[test]
+fn slots_held_for_a_device_copy_are_never_reused() {
+    let layout = small_layout();
+    let gb = layout.group_bytes() as usize;
+    let c = Arc::new(
+        Cascade::new(
+            layout,
+            Box::new(MemTier::new(layout)),
+            MetaTable::anonymous(layout.group_count()).unwrap(),
+            cfg(2, &layout, PolicyKind::Sieve, false),
+        )
+        .unwrap(),
+    );
+    while c.t1_ready_slots() < 2 {
+        std::thread::yield_now();
+    }
+    for g in 0..4 {
+        c.write(GroupIndex(g), 0, &pattern(g, gb)).unwrap();
+    }
+    // Groups 2 and 3 are the resident ones now.
+    let held = [GroupIndex(2), GroupIndex(3)];
+    let (addrs, pins) = c.pin_for_device(&held);
+    assert_eq!(addrs.len(), 2); // no device mapping here: None, but held all the same
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (c, done) = (c.clone(), done.clone());
+        std::thread::spawn(move || {
+            c.write(GroupIndex(0), 0, &pattern(100, gb)).unwrap();
+            c.write(GroupIndex(1), 0, &pattern(101, gb)).unwrap();
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert!(
+        !done.load(std::sync::atomic::Ordering::SeqCst),
+        "a writer evicted a slot held for a device copy"
+    );
+    let mut resident = c.resident();
+    resident.sort();
+    assert_eq!(resident, held.to_vec());
+    drop(pins);
+    writer.join().unwrap();
+    for (g, seed) in [(0, 100), (1, 101), (2, 2), (3, 3)] {
+        let mut out = vec![0; gb];
+        c.read(GroupIndex(g), 0, &mut out).unwrap();
+        assert_eq!(out, pattern(seed, gb), "group {g}");
+    }
+}
