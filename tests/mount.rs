@@ -512,3 +512,41 @@ fn mount_helper_takes_fstab_options() {
     let out = run("t1");
     assert!(String::from_utf8_lossy(&out.stderr).contains("needs a value"));
 }
+
+#[test]
+fn mounting_over_a_dead_mount_cleans_it_up() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(&[]);
+    let g = m.p("L0/B1/H0/K");
+    fs::write(&g, pattern(11, GB)).unwrap();
+    File::open(&g).unwrap().sync_all().unwrap();
+    let pid: i32 = fs::read_to_string(m.p(".kvfs/pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: killing the daemon we started.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let t = Instant::now();
+    while Path::new(&format!("/proc/{pid}")).exists() && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(errno_of(fs::metadata(m.p("L0"))), libc::ENOTCONN);
+    let out = kvfs()
+        .arg("mount")
+        .arg(&m.mp)
+        .arg("--backing")
+        .arg(&m.backing)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cleaned up a dead kvfs mount"));
+    // The fsync'd group survived the kill.
+    assert_eq!(fs::read(&g).unwrap(), pattern(11, GB));
+}

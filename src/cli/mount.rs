@@ -149,16 +149,34 @@ pub fn mount_entry(path: &Path) -> Option<(String, String)> {
     })
 }
 
+/// Lazily unmounts `mp` (MNT_DETACH); whether it worked.
+fn detach(mp: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: umount2 with a valid C string.
+    unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) == 0 }
+}
+
 fn check_mountpoint(mp: &Path) -> Result<()> {
     match std::fs::metadata(mp) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => bail!("mount point {} is not a directory", mp.display()),
-        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => bail!(
-            "mount point {} holds a dead kvfs mount (its daemon is gone); run `umount -l {}` (or `fusermount3 -uz {}`) and mount again",
-            mp.display(),
-            mp.display(),
-            mp.display()
-        ),
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            // A FUSE mount whose daemon died: detach it if it is kvfs's,
+            // then look again. Anything else is not ours to remove.
+            let ours = mount_entry(mp).is_some_and(|(_, src)| src.starts_with(SOURCE_PREFIX));
+            if !ours || !detach(mp) {
+                bail!(
+                    "mount point {} holds a dead FUSE mount (its daemon is gone); run `umount -l {}` (or `fusermount3 -uz {}`) and mount again",
+                    mp.display(),
+                    mp.display(),
+                    mp.display()
+                );
+            }
+            eprintln!("kvfs: cleaned up a dead kvfs mount at {}", mp.display());
+            return check_mountpoint(mp);
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             bail!(
                 "mount point {} does not exist (mkdir -p {} first)",
