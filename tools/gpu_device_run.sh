@@ -1,0 +1,26 @@
+#!/bin/bash
+# The GPU checks, on a machine with a CUDA GPU, torch and /dev/fuse, as root.
+# Expects release binaries in .devbin/ (built elsewhere, stripped):
+#   kvfs-bin (target/release/kvfs), kvfs-lib, cascade and gpu (the test
+#   executables that `cargo test --release --no-run` prints).
+# SKIP_TESTS=1 skips the test executables and runs only tools/gpu_e2e.py.
+set -u
+B=$PWD/.devbin/kvfs-bin
+export PYTHONUNBUFFERED=1
+if [ "${SKIP_TESTS:-0}" = 0 ]; then echo "== unit and GPU tests"
+./.devbin/kvfs-lib 2>&1 | grep -E "test result|FAILED|panicked" -A8
+./.devbin/cascade 2>&1 | grep -E "test result|FAILED|panicked" -A8
+RUST_LOG=info ./.devbin/gpu --ignored --nocapture --test-threads 1 2>&1 | grep -vE "^$"
+fi
+pkill -9 -f gpu_e2e; pkill -9 -f kvfs-bin; for m in k16 k4 kg; do umount -l /mnt/$m 2>/dev/null; done; sleep 1; rm -rf /tmp/b16 /tmp/b4 /tmp/bg
+export RUST_LOG=info,kvfs::control=debug
+mkdir -p /mnt/k16 /mnt/k4 /mnt/kg
+$B mount /mnt/k16 --backing /tmp/b16 --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
+$B mount /mnt/k4 --backing /tmp/b4 --t1 256MiB --preset llama-3.1-8b || exit 1
+$B mount /mnt/kg --backing /tmp/bg --t1 8KiB --layers 1 --blocks 4 --kv-heads 1 --head-dim 128 --block-tokens 16 --dtype bf16 || exit 1
+set -o pipefail
+echo "== e2e 16 KiB"; timeout -k 5 100 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 64 2>&1 | tail -25 && \
+{ echo "== e2e 4 KiB"; timeout -k 5 100 python3 tools/gpu_e2e.py /mnt/k4 --batch 4096 --inflight 4 --rounds 32 2>&1 | tail -20; } && \
+{ echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 | tail -10; }
+for m in k16 k4 kg; do timeout -k 2 20 $B umount /mnt/$m; done
+echo "== daemon log"; tail -n 30 /tmp/b16/kvfs.log
