@@ -87,7 +87,8 @@ class ClientTest(unittest.TestCase):
                 self.assertEqual(f.read(), pattern(i + 100, self.gb), k)
         dst = self.region(n)
         r2 = self.kv.register_host_region(dst.path, dst.size)
-        t = self.kv.restore([k + (r2, (n - 1 - i) * self.gb) for i, k in enumerate(keys)], wait=False)
+        enc = self.kv.encode_entries([k + (r2, (n - 1 - i) * self.gb) for i, k in enumerate(keys)])
+        t = self.kv.restore(enc, wait=False)
         self.assertEqual(self.kv.wait(t, timeout=30), t)
         for i, k in enumerate(keys):
             with open(self.group_path(*k), "rb") as f:
