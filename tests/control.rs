@@ -606,3 +606,40 @@ fn cuda_regions_without_a_driver_are_enodev() {
     assert_eq!(rep.status as i32, libc::ENODEV);
     assert_eq!(c.hello().unwrap().0, 1);
 }
+
+#[test]
+fn an_idle_fd_is_not_readable_and_nonblocking_reads_say_eagain() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(&[]);
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(m.p(".kvfs/control"))
+        .unwrap();
+    use std::os::fd::AsRawFd;
+    let mut pfd = libc::pollfd {
+        fd: f.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd we own.
+    assert_eq!(
+        unsafe { libc::poll(&mut pfd, 1, 50) },
+        0,
+        "nothing is waiting, yet poll said readable"
+    );
+    let mut buf = [0u8; 64];
+    let e = std::io::Read::read(&mut &f, &mut buf).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EAGAIN));
+    // A request makes it readable.
+    std::io::Write::write_all(&mut &f, &wire::encode_request(&Request::Hello)).unwrap();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::poll(&mut pfd, 1, 5000) }, 1);
+    let n = std::io::Read::read(&mut &f, &mut buf).unwrap();
+    assert!(n >= wire::HEADER_BYTES, "{n}");
+    assert_eq!(&buf[..4], b"KVFR");
+}
