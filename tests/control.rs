@@ -627,18 +627,16 @@ fn an_idle_fd_is_not_readable_and_nonblocking_reads_say_eagain() {
         revents: 0,
     };
     // SAFETY: one pollfd we own.
-    assert_eq!(
-        unsafe { libc::poll(&mut pfd, 1, 50) },
-        0,
-        "nothing is waiting, yet poll said readable"
-    );
+    let ready = unsafe { libc::poll(&mut pfd, 1, 50) };
+    assert_eq!(ready, 0, "nothing is waiting, yet poll said readable");
     let mut buf = [0u8; 64];
     let e = std::io::Read::read(&mut &f, &mut buf).unwrap_err();
     assert_eq!(e.raw_os_error(), Some(libc::EAGAIN));
     // A request makes it readable.
     std::io::Write::write_all(&mut &f, &wire::encode_request(&Request::Hello)).unwrap();
     // SAFETY: as above.
-    assert_eq!(unsafe { libc::poll(&mut pfd, 1, 5000) }, 1);
+    let ready = unsafe { libc::poll(&mut pfd, 1, 5000) };
+    assert_eq!(ready, 1);
     let n = std::io::Read::read(&mut &f, &mut buf).unwrap();
     assert!(n >= wire::HEADER_BYTES, "{n}");
     assert_eq!(&buf[..4], b"KVFR");
