@@ -6,6 +6,9 @@ use kvfs::cascade::{
 use kvfs::geometry::{Dtype, GroupIndex, GroupKey, GroupLayout, Kind};
 use kvfs::tier::{Fault, FaultTier, FileTier, MemTier, TierKind};
 use proptest::prelude::*;
+
+mod common;
+use common::pattern;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -37,18 +40,6 @@ fn open(dir: &Path, tier: TierKind, layout: GroupLayout, c: CascadeConfig) -> Ca
         c,
     )
     .unwrap()
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 #[derive(Clone, Debug)]

@@ -269,7 +269,8 @@ fn unmount_then_remount_keeps_everything() {
     );
 }
 
-fn kvfs_mount_plain(m: &Mount) {
+/// `kvfs mount` of the test's backing with no geometry options; must succeed.
+fn kvfs_mount_plain(m: &Mount) -> std::process::Output {
     let out = kvfs()
         .arg("mount")
         .arg(&m.mp)
@@ -282,6 +283,7 @@ fn kvfs_mount_plain(m: &Mount) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    out
 }
 
 #[test]
@@ -534,18 +536,7 @@ fn mounting_over_a_dead_mount_cleans_it_up() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert_eq!(errno_of(fs::metadata(m.p("L0"))), libc::ENOTCONN);
-    let out = kvfs()
-        .arg("mount")
-        .arg(&m.mp)
-        .arg("--backing")
-        .arg(&m.backing)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = kvfs_mount_plain(&m);
     assert!(String::from_utf8_lossy(&out.stderr).contains("cleaned up a dead kvfs mount"));
     // The fsync'd group survived the kill.
     assert_eq!(fs::read(&g).unwrap(), pattern(11, GB));

@@ -1257,6 +1257,27 @@ impl Session {
         t
     }
 
+    /// Counts a finished RESTORE or STORE job's bytes and latency, then
+    /// finishes its ticket.
+    fn complete(
+        self: &Arc<Session>,
+        cmd: Command,
+        ticket: u64,
+        started: Instant,
+        results: Vec<Result<(), CascadeError>>,
+    ) {
+        let gb = self.ctl.cascade.layout().group_bytes();
+        let bytes = results.iter().filter(|r| r.is_ok()).count() as u64 * gb;
+        let st = &self.ctl.stats;
+        let (counter, latency) = match cmd {
+            Command::Restore => (&st.restored_bytes, &st.restore_latency),
+            _ => (&st.stored_bytes, &st.store_latency),
+        };
+        counter.fetch_add(bytes, Ordering::Relaxed);
+        latency.observe(started.elapsed());
+        self.finish(ticket, results);
+    }
+
     fn finish(self: &Arc<Session>, ticket: u64, results: Vec<Result<(), CascadeError>>) {
         let failed = results.iter().filter(|r| r.is_err()).count() as u32;
         let first = results.iter().position(|r| r.is_err());
@@ -1314,13 +1335,7 @@ impl Session {
                     .collect();
                 drop(items);
                 let results = mark_damaged(&work, results);
-                let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
-                s.ctl
-                    .stats
-                    .restored_bytes
-                    .fetch_add(ok * gb as u64, Ordering::Relaxed);
-                s.ctl.stats.restore_latency.observe(started.elapsed());
-                s.finish(ticket, results);
+                s.complete(Command::Restore, ticket, started, results);
             }),
             _ => Box::new(move || {
                 let gb = s.ctl.cascade.layout().group_bytes() as usize;
@@ -1344,13 +1359,7 @@ impl Session {
                         res
                     })
                     .collect();
-                let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
-                s.ctl
-                    .stats
-                    .stored_bytes
-                    .fetch_add(ok * gb as u64, Ordering::Relaxed);
-                s.ctl.stats.store_latency.observe(started.elapsed());
-                s.finish(ticket, results);
+                s.complete(Command::Store, ticket, started, results);
             }),
         };
         self.ctl.exec.submit_ticket(self, ticket, job);
@@ -1478,14 +1487,8 @@ impl Session {
                     }
                 }
                 drop(pins);
-                let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
-                s.ctl
-                    .stats
-                    .restored_bytes
-                    .fetch_add(ok * gb, Ordering::Relaxed);
-                s.ctl.stats.restore_latency.observe(started.elapsed());
                 s.ctl.gpu_pool.give(table, stream, Some(staging));
-                s.finish(ticket, results);
+                s.complete(Command::Restore, ticket, started, results);
             }),
         );
         Ok(reply)
@@ -1533,13 +1536,7 @@ impl Session {
                 if let Ok(b) = buf {
                     s.ctl.gpu_pool.give_staging(b);
                 }
-                let ok = results.iter().filter(|r| r.is_ok()).count() as u64;
-                s.ctl
-                    .stats
-                    .stored_bytes
-                    .fetch_add(ok * gb as u64, Ordering::Relaxed);
-                s.ctl.stats.store_latency.observe(started.elapsed());
-                s.finish(ticket, results);
+                s.complete(Command::Store, ticket, started, results);
             }),
         );
         Reply::ok(Command::Store, ticket)
