@@ -641,3 +641,77 @@ fn an_idle_fd_is_not_readable_and_nonblocking_reads_say_eagain() {
     assert!(n >= wire::HEADER_BYTES, "{n}");
     assert_eq!(&buf[..4], b"KVFR");
 }
+
+/// Reads replies from `f` until `n` have arrived; returns them in order.
+fn read_replies(f: &fs::File, n: usize) -> Vec<wire::Reply> {
+    let mut buf = Vec::new();
+    let mut out = Vec::new();
+    while out.len() < n {
+        let mut chunk = [0u8; 4096];
+        let got = std::io::Read::read(&mut &*f, &mut chunk).unwrap();
+        buf.extend_from_slice(&chunk[..got]);
+        while let Ok((r, used)) = wire::Reply::decode(&buf) {
+            buf.drain(..used);
+            out.push(r);
+        }
+    }
+    out
+}
+
+#[test]
+fn requests_split_across_writes_or_packed_in_one_are_all_served() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(&[]);
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.p(".kvfs/control"))
+        .unwrap();
+    let keys: Vec<wire::RawKey> = (0..3)
+        .map(|b| wire::RawKey {
+            layer: 0,
+            block: b,
+            head: 0,
+            kind: 0,
+        })
+        .collect();
+    let query = wire::encode_request(&Request::Query(keys));
+    let hello = wire::encode_request(&Request::Hello);
+    // One byte per write: the daemon assembles the request.
+    for b in &query {
+        std::io::Write::write_all(&mut &f, std::slice::from_ref(b)).unwrap();
+    }
+    let r = read_replies(&f, 1);
+    assert_eq!((r[0].status, r[0].states.len()), (0, 3), "{}", r[0].message);
+    // Three requests in one write, the last split mid-header into the next
+    // write, which also carries a whole request after it.
+    let mut all = [hello.clone(), query.clone(), query.clone(), hello.clone()].concat();
+    let cut = hello.len() + 2 * query.len() + 10;
+    let tail = all.split_off(cut);
+    std::io::Write::write_all(&mut &f, &all).unwrap();
+    std::io::Write::write_all(&mut &f, &tail).unwrap();
+    let r = read_replies(&f, 4);
+    let cmds: Vec<u16> = r.iter().map(|r| r.command).collect();
+    let q = wire::Command::Query as u16;
+    let h = wire::Command::Hello as u16;
+    assert_eq!(cmds, vec![h, q, q, h]);
+    assert!(r.iter().all(|r| r.status == 0));
+    assert_eq!(r[1].states.len(), 3);
+    // A bad header after a good request: the good one is served, the rest
+    // of that write is refused as one error, and the fd serves again.
+    let bad = [
+        hello.clone(),
+        b"GARBAGE-GARBAGE-GARBAGE-GARBAGE-!".to_vec(),
+        hello.clone(),
+    ]
+    .concat();
+    std::io::Write::write_all(&mut &f, &bad).unwrap();
+    let r = read_replies(&f, 2);
+    assert_eq!(r[0].status, 0);
+    assert_eq!(r[1].status as i32, libc::EINVAL, "{}", r[1].message);
+    std::io::Write::write_all(&mut &f, &query).unwrap();
+    let r = read_replies(&f, 1);
+    assert_eq!((r[0].status, r[0].states.len()), (0, 3));
+}

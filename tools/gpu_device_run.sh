@@ -24,3 +24,5 @@ echo "== e2e 16 KiB"; timeout -k 5 100 python3 tools/gpu_e2e.py /mnt/k16 --batch
 { echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 | tail -10; }
 for m in k16 k4 kg; do timeout -k 2 20 $B umount /mnt/$m; done
 echo "== daemon log"; tail -n 30 /tmp/b16/kvfs.log
+# Whole daemon logs for the caller, where it collects files ($OUT).
+if [ -n "${OUT:-}" ]; then for b in b16 b4 bg; do cp /tmp/$b/kvfs.log "$OUT/$b.log" 2>/dev/null; done; fi

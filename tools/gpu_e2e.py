@@ -115,12 +115,19 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds):
     batches = [kv.encode_entries(entries()) for _ in range(rounds)]
     total = rounds * batch * gb
 
+    calls = {"restore": 0.0, "wait": 0.0}
+
     def pipelined():
         pending = []
+        calls["restore"] = calls["wait"] = 0.0
         for b in batches:
+            t0 = time.perf_counter()
             pending.append(kv.restore(b, wait=False))
+            t1 = time.perf_counter()
             if len(pending) >= inflight:
                 kv.wait(pending.pop(0), timeout=WAIT_S)
+            calls["restore"] += t1 - t0
+            calls["wait"] += time.perf_counter() - t1
         for t in pending:
             kv.wait(t, timeout=WAIT_S)
 
@@ -130,6 +137,7 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds):
 
     pipelined()  # warm: kernel load, pools
     t_pipe = timed(pipelined)
+    per_call = {k: v / rounds * 1e6 for k, v in calls.items()}
     t_sync = timed(one_at_a_time)
     # Baseline: one large pinned copy of the same total bytes.
     host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
@@ -152,6 +160,8 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds):
           f"{resident}/{hot} source groups T1-resident:")
     print(f"  one large pinned H2D copy (baseline)   {base:7.2f} GB/s")
     print(f"  kvfs restore, {inflight} tickets in flight       {gbps(t_pipe):7.2f} GB/s  ({gbps(t_pipe) / base:.2f} of baseline)")
+    print(f"    (client side, per ticket: RESTORE call {per_call['restore']:.0f} us, "
+          f"waiting for the oldest ticket {per_call['wait']:.0f} us)")
     print(f"  kvfs restore, one ticket at a time     {gbps(t_sync):7.2f} GB/s  ({gbps(t_sync) / base:.2f})")
     print(f"  one cudaMemcpyAsync per group          {gbps(t_each):7.2f} GB/s  ({gbps(t_each) / base:.2f})")
     # Misses: groups pushed out of T1 by storing more than it holds.

@@ -180,6 +180,9 @@ impl Default for CascadeConfig {
 struct Arena {
     per_chunk: u32,
     bases: Box<[AtomicPtr<u8>]>,
+    /// Each chunk's device address (0: not arrived, or not device-mapped),
+    /// stored before its slots become free.
+    dev_bases: Box<[AtomicU64]>,
     owned: Mutex<Vec<HostBuf>>,
     incoming: Mutex<Option<mpsc::Receiver<(usize, HostBuf)>>>,
     ready_slots: AtomicU64,
@@ -356,6 +359,8 @@ impl Cascade {
             .map(|_| AtomicPtr::new(std::ptr::null_mut()))
             .collect();
         bases[0].store(first.as_ptr(), Ordering::Release);
+        let dev_bases: Box<[AtomicU64]> = (0..n_chunks).map(|_| AtomicU64::new(0)).collect();
+        dev_bases[0].store(first.device_ptr().unwrap_or(0), Ordering::Release);
         let incoming = if n_chunks > 1 {
             let (tx, rx) = mpsc::channel();
             std::thread::Builder::new()
@@ -402,6 +407,7 @@ impl Cascade {
             arena: Arena {
                 per_chunk,
                 bases,
+                dev_bases,
                 owned: Mutex::new(vec![first]),
                 incoming: Mutex::new(incoming),
                 ready_slots: AtomicU64::new(first_slots as u64),
@@ -486,6 +492,7 @@ impl Cascade {
             match rx.try_recv() {
                 Ok((i, buf)) => {
                     a.bases[i].store(buf.as_ptr(), Ordering::Release);
+                    a.dev_bases[i].store(buf.device_ptr().unwrap_or(0), Ordering::Release);
                     let first = i as u32 * a.per_chunk;
                     let n = (buf.len() as u64 / self.layout.stride()) as u32;
                     st.free.extend((first..first + n).rev().map(SlotId));
@@ -511,10 +518,8 @@ impl Cascade {
     /// The device address of slot `s` where T1 is pinned and mapped.
     pub fn slot_device_ptr(&self, s: SlotId) -> Option<u64> {
         let a = &self.arena;
-        let owned = a.owned.lock();
-        let base = a.bases[(s.0 / a.per_chunk) as usize].load(Ordering::Acquire);
-        let chunk = owned.iter().find(|b| b.as_ptr() == base)?;
-        Some(chunk.device_ptr()? + (s.0 % a.per_chunk) as u64 * self.layout.stride())
+        let base = a.dev_bases[(s.0 / a.per_chunk) as usize].load(Ordering::Acquire);
+        (base != 0).then(|| base + (s.0 % a.per_chunk) as u64 * self.layout.stride())
     }
 
     /// # Safety
@@ -1037,8 +1042,9 @@ impl Cascade {
             .collect();
         pins.sort_by_key(|(_, p)| p.slot);
         let mut addrs = vec![None; groups.len()];
-        let mut locks = Vec::new();
+        let mut locks = Vec::with_capacity(pins.len());
         let mut last: Option<SlotId> = None;
+        let mut hits = 0;
         for (i, pin) in &pins {
             if last != Some(pin.slot) {
                 locks.push(self.slot_locks[pin.slot.0 as usize].read());
@@ -1048,12 +1054,14 @@ impl Cascade {
                 && let Some(d) = self.slot_device_ptr(pin.slot)
             {
                 addrs[*i] = Some(d);
-                self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                self.counters
-                    .t1_read_bytes
-                    .fetch_add(self.layout.group_bytes(), Ordering::Relaxed);
+                hits += 1;
             }
         }
+        // Once per batch: these counters are shared by every thread.
+        self.counters.hits.fetch_add(hits, Ordering::Relaxed);
+        self.counters
+            .t1_read_bytes
+            .fetch_add(hits * self.layout.group_bytes(), Ordering::Relaxed);
         (
             addrs,
             DevicePins {

@@ -124,21 +124,51 @@ impl Region {
 }
 
 /// Fails the entries whose region's file shrank under the copy.
-fn mark_damaged(
-    work: &[(GroupIndex, Arc<Region>, u64)],
-    results: Vec<Result<(), CascadeError>>,
-) -> Vec<Result<(), CascadeError>> {
-    results
-        .into_iter()
-        .zip(work)
-        .map(|(r, (_, region, _))| {
-            if region.damaged() {
-                Err(CascadeError::RegionFault(region.path.display().to_string()))
-            } else {
-                r
-            }
-        })
-        .collect()
+/// An admitted RESTORE or STORE: each item names its region by position
+/// in `regions` (one reference per region, not per entry).
+struct Batch {
+    regions: Vec<Arc<Region>>,
+    items: Vec<Item>,
+}
+
+#[derive(Clone, Copy)]
+struct Item {
+    g: GroupIndex,
+    region: u32,
+    offset: u64,
+}
+
+impl Batch {
+    fn region(&self, it: &Item) -> &Region {
+        &self.regions[it.region as usize]
+    }
+
+    fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    fn is_cuda(&self) -> bool {
+        self.regions.first().is_some_and(|r| r.is_cuda())
+    }
+
+    /// Entries whose region's file shrank under the copy fail with EFAULT.
+    fn mark_damaged(
+        &self,
+        results: Vec<Result<(), CascadeError>>,
+    ) -> Vec<Result<(), CascadeError>> {
+        results
+            .into_iter()
+            .zip(&self.items)
+            .map(|(r, it)| {
+                let region = self.region(it);
+                if region.damaged() {
+                    Err(CascadeError::RegionFault(region.path.display().to_string()))
+                } else {
+                    r
+                }
+            })
+            .collect()
+    }
 }
 
 /// A request's rejection: errno, the offending entry, and why.
@@ -329,6 +359,7 @@ fn hex(b: &[u8]) -> String {
 /// would cost more than the copies.
 #[derive(Default)]
 struct GpuPool {
+    events: Arc<Mutex<Vec<crate::gpu::cuda::IpcEvent>>>,
     streams: Mutex<Vec<crate::gpu::cuda::Stream>>,
     tables: Mutex<Vec<crate::gpu::HostBuf>>,
     staging: Mutex<Vec<crate::gpu::HostBuf>>,
@@ -338,7 +369,45 @@ struct GpuPool {
 /// Pooled buffers kept per kind.
 const GPU_POOL_KEEP: usize = 16;
 
+/// A ticket's IPC event; back to the pool once the ticket is both done
+/// and collected (a client opens the handle any time before it collects).
+/// A client still waiting on an old handle after that waits on a later
+/// ticket's copy: later, never earlier, than its own.
+struct PooledEvent {
+    ev: Option<crate::gpu::cuda::IpcEvent>,
+    pool: Arc<Mutex<Vec<crate::gpu::cuda::IpcEvent>>>,
+}
+
+impl std::ops::Deref for PooledEvent {
+    type Target = crate::gpu::cuda::IpcEvent;
+    fn deref(&self) -> &Self::Target {
+        self.ev.as_ref().expect("an event until dropped")
+    }
+}
+
+impl Drop for PooledEvent {
+    fn drop(&mut self) {
+        let mut p = self.pool.lock();
+        if p.len() < GPU_POOL_KEEP * 4 {
+            p.extend(self.ev.take());
+        }
+    }
+}
+
 impl GpuPool {
+    fn take_event(&self) -> Result<PooledEvent, String> {
+        let ev = match self.events.lock().pop() {
+            Some(e) => e,
+            None => crate::gpu::cuda::cuda()
+                .ok_or("no CUDA driver")?
+                .new_ipc_event()?,
+        };
+        Ok(PooledEvent {
+            ev: Some(ev),
+            pool: self.events.clone(),
+        })
+    }
+
     fn take_table(&self, n: usize) -> std::io::Result<crate::gpu::HostBuf> {
         let need = 16 + 16 * n;
         let mut t = self.tables.lock();
@@ -572,7 +641,7 @@ struct SessionState {
     waiters: Vec<(u64, Option<Instant>, WaitCallback)>,
     pollers: Vec<Box<dyn FnOnce() + Send>>,
     /// IPC events of GPU tickets, kept until the ticket is collected.
-    events: HashMap<u64, Arc<crate::gpu::cuda::IpcEvent>>,
+    events: HashMap<u64, Arc<PooledEvent>>,
 }
 
 impl SessionState {
@@ -676,28 +745,57 @@ impl Session {
     /// their replies queued. Returns how many bytes were taken (all).
     pub fn write(self: &Arc<Session>, data: &[u8]) -> usize {
         let mut st = self.st.lock();
-        st.partial.extend_from_slice(data);
+        let mut input = data;
         loop {
-            if st.partial.len() < wire::HEADER_BYTES {
-                break;
-            }
-            let want = match wire::request_len(&st.partial) {
-                Ok((_, n)) => n,
-                Err(e) => {
-                    // The stream cannot be resynchronised: drop it whole.
-                    let cmd = u16::from_le_bytes([st.partial[6], st.partial[7]]);
-                    st.partial.clear();
-                    let r = Reply::error(cmd, libc::EINVAL, NO_ENTRY, e.to_string());
-                    st.out.push_back(Out::Ready(r.encode()));
+            // The next complete request: straight from `input` when none is
+            // being assembled (the usual case: no copy of a large batch),
+            // else from `partial`, topped up from `input`.
+            let assembled;
+            let req: &[u8] = if st.partial.is_empty() {
+                match wire::request_len(input) {
+                    Ok((_, n)) if input.len() >= n => {
+                        let (r, rest) = input.split_at(n);
+                        input = rest;
+                        r
+                    }
+                    Err(e) if input.len() >= wire::HEADER_BYTES => {
+                        st.out.push_back(Out::Ready(Self::stream_error(input, e)));
+                        break;
+                    }
+                    _ => {
+                        st.partial.extend_from_slice(input);
+                        break;
+                    }
+                }
+            } else {
+                // Enough of the header first, then exactly the rest of the request.
+                let need_header = wire::HEADER_BYTES.saturating_sub(st.partial.len());
+                let take = need_header.min(input.len());
+                st.partial.extend_from_slice(&input[..take]);
+                input = &input[take..];
+                if st.partial.len() < wire::HEADER_BYTES {
                     break;
                 }
+                let want = match wire::request_len(&st.partial) {
+                    Ok((_, n)) => n,
+                    Err(e) => {
+                        let r = Self::stream_error(&st.partial, e);
+                        st.partial.clear();
+                        st.out.push_back(Out::Ready(r));
+                        break;
+                    }
+                };
+                let take = (want - st.partial.len()).min(input.len());
+                st.partial.extend_from_slice(&input[..take]);
+                input = &input[take..];
+                if st.partial.len() < want {
+                    break;
+                }
+                assembled = std::mem::take(&mut st.partial);
+                &assembled
             };
-            if st.partial.len() < want {
-                break;
-            }
-            let req: Vec<u8> = st.partial.drain(..want).collect();
             drop(st);
-            let out = match wire::decode_request(&req) {
+            let out = match wire::decode_request(req) {
                 Ok(Request::Wait { ticket, timeout_ms }) => {
                     self.ctl.stats.requests[Command::Wait as usize].fetch_add(1, Ordering::Relaxed);
                     let deadline = self.deadline(timeout_ms);
@@ -720,6 +818,13 @@ impl Session {
         drop(st);
         self.pump();
         data.len()
+    }
+
+    /// The reply to a request header that cannot be parsed: the stream
+    /// cannot be resynchronised, so the rest of this write is dropped.
+    fn stream_error(header: &[u8], e: wire::DecodeError) -> Vec<u8> {
+        let cmd = u16::from_le_bytes([header[6], header[7]]);
+        Reply::error(cmd, libc::EINVAL, NO_ENTRY, e.to_string()).encode()
     }
 
     fn deadline(self: &Arc<Session>, timeout_ms: u64) -> Option<Instant> {
@@ -1145,36 +1250,62 @@ impl Session {
     }
 
     /// All-or-nothing admission of RESTORE/STORE entries.
-    fn admit_io(
-        &self,
-        cmd: Command,
-        entries: &[IoEntry],
-    ) -> Result<Vec<(GroupIndex, Arc<Region>, u64)>, Rejection> {
+    fn admit_io(&self, cmd: Command, entries: &[IoEntry]) -> Result<Batch, Rejection> {
         let gb = self.ctl.cascade.layout().group_bytes();
         let st = self.st.lock();
-        let mut out = Vec::with_capacity(entries.len());
+        let mut batch = Batch {
+            regions: Vec::new(),
+            items: Vec::with_capacity(entries.len()),
+        };
+        let mut ids: Vec<u32> = Vec::new();
+        // Batches mostly name one region: the last one is checked first.
+        let mut last: Option<(u32, u32)> = None;
         for (i, e) in entries.iter().enumerate() {
             let g = self.key_index(i, &e.key)?;
-            let region = st.regions.get(&e.region).ok_or_else(|| {
-                reject(
-                    libc::EBADF,
-                    i as u32,
-                    format!(
-                        "entry {i}: region {} is not registered on this fd",
-                        e.region
-                    ),
-                )
-            })?;
-            if region.damaged() {
-                return Err(reject(
-                    libc::EFAULT,
-                    i as u32,
-                    format!(
-                        "entry {i}: region {}'s file shrank under a copy; unregister it and register again",
-                        e.region
-                    ),
-                ));
-            }
+            let at = match last.filter(|(id, _)| *id == e.region) {
+                Some((_, at)) => at,
+                None => match ids.iter().position(|&id| id == e.region) {
+                    Some(at) => at as u32,
+                    None => {
+                        let region = st.regions.get(&e.region).ok_or_else(|| {
+                            reject(
+                                libc::EBADF,
+                                i as u32,
+                                format!(
+                                    "entry {i}: region {} is not registered on this fd",
+                                    e.region
+                                ),
+                            )
+                        })?;
+                        if region.damaged() {
+                            return Err(reject(
+                                libc::EFAULT,
+                                i as u32,
+                                format!(
+                                    "entry {i}: region {}'s file shrank under a copy; unregister it and register again",
+                                    e.region
+                                ),
+                            ));
+                        }
+                        if let Some(first) = batch.regions.first()
+                            && first.is_cuda() != region.is_cuda()
+                        {
+                            return Err(reject(
+                                libc::EINVAL,
+                                i as u32,
+                                format!(
+                                    "entry {i}: one batch targets host regions or CUDA regions, not both"
+                                ),
+                            ));
+                        }
+                        ids.push(e.region);
+                        batch.regions.push(region.clone());
+                        (ids.len() - 1) as u32
+                    }
+                },
+            };
+            last = Some((e.region, at));
+            let region = &batch.regions[at as usize];
             let end = e.offset.checked_add(gb).filter(|&end| end <= region.len());
             if end.is_none() {
                 return Err(reject(
@@ -1189,64 +1320,57 @@ impl Session {
                     ),
                 ));
             }
-            out.push((g, region.clone(), e.offset));
-        }
-        drop(st);
-        if let Some(first) = out.first() {
-            let cuda = first.1.is_cuda();
-            if let Some(i) = out.iter().position(|(_, r, _)| r.is_cuda() != cuda) {
+            if region.device_addr(e.offset).is_some_and(|a| a % 16 != 0) {
                 return Err(reject(
                     libc::EINVAL,
                     i as u32,
-                    format!("entry {i}: one batch targets host regions or CUDA regions, not both"),
+                    format!(
+                        "entry {i}: a CUDA destination must be 16-byte aligned (offset {})",
+                        e.offset
+                    ),
                 ));
             }
-            if cuda {
-                if !gb.is_multiple_of(16) {
-                    return Err(reject(
-                        libc::EINVAL,
-                        0,
-                        format!("GPU copies need groups of a multiple of 16 bytes; these are {gb}"),
-                    ));
-                }
-                if let Some(i) = out
-                    .iter()
-                    .position(|(_, r, off)| r.device_addr(*off).is_some_and(|a| a % 16 != 0))
-                {
-                    return Err(reject(
-                        libc::EINVAL,
-                        i as u32,
-                        format!(
-                            "entry {i}: a CUDA destination must be 16-byte aligned (offset {})",
-                            out[i].2
-                        ),
-                    ));
-                }
-            }
+            batch.items.push(Item {
+                g,
+                region: at,
+                offset: e.offset,
+            });
+        }
+        drop(st);
+        if batch.is_cuda() && !gb.is_multiple_of(16) {
+            return Err(reject(
+                libc::EINVAL,
+                0,
+                format!("GPU copies need groups of a multiple of 16 bytes; these are {gb}"),
+            ));
         }
         if cmd == Command::Restore {
             // Two restores into the same bytes would race: refuse.
-            let mut spans: Vec<(usize, u64, usize)> = out
+            let mut spans: Vec<(u32, u64, u32)> = batch
+                .items
                 .iter()
                 .enumerate()
-                .map(|(i, (_, r, off))| (Arc::as_ptr(r) as usize, *off, i))
+                .map(|(i, it)| (it.region, it.offset, i as u32))
                 .collect();
-            spans.sort_unstable();
+            // Engines mostly restore into ascending offsets: skip the sort then.
+            if !spans.is_sorted() {
+                spans.sort_unstable();
+            }
             for w in spans.windows(2) {
                 if w[0].0 == w[1].0 && w[0].1 + gb > w[1].1 {
                     let (a, b) = (w[0].2.min(w[1].2), w[0].2.max(w[1].2));
                     return Err(reject(
                         libc::EINVAL,
-                        b as u32,
+                        b,
                         format!(
                             "entries {a} and {b} restore into overlapping bytes of region {}",
-                            entries[b].region
+                            entries[b as usize].region
                         ),
                     ));
                 }
             }
         }
-        Ok(out)
+        Ok(batch)
     }
 
     fn new_ticket(&self) -> u64 {
@@ -1306,10 +1430,11 @@ impl Session {
         cmd: Command,
         entries: &[IoEntry],
     ) -> Result<Reply, Rejection> {
+        let admitted = Instant::now();
         let work = self.admit_io(cmd, entries)?;
-        if work.first().is_some_and(|(_, r, _)| r.is_cuda()) {
+        if work.is_cuda() {
             return match cmd {
-                Command::Restore => self.submit_gpu_restore(work),
+                Command::Restore => self.submit_gpu_restore(work, admitted),
                 _ => Ok(self.submit_gpu_store(work)),
             };
         }
@@ -1320,11 +1445,12 @@ impl Session {
             Command::Restore => Box::new(move || {
                 let gb = s.ctl.cascade.layout().group_bytes() as usize;
                 let mut items: Vec<(GroupIndex, &mut [u8])> = work
+                    .items
                     .iter()
                     // SAFETY: admission checked each range is inside its
                     // region and that no two ranges overlap; `work` keeps
                     // the regions mapped until the job ends.
-                    .map(|(g, r, off)| (*g, unsafe { r.range_mut(*off, gb) }))
+                    .map(|it| (it.g, unsafe { work.region(it).range_mut(it.offset, gb) }))
                     .collect();
                 let results: Vec<Result<(), CascadeError>> = s
                     .ctl
@@ -1334,27 +1460,29 @@ impl Session {
                     .map(|r| r.map(|_| ()))
                     .collect();
                 drop(items);
-                let results = mark_damaged(&work, results);
+                let results = work.mark_damaged(results);
                 s.complete(Command::Restore, ticket, started, results);
             }),
             _ => Box::new(move || {
                 let gb = s.ctl.cascade.layout().group_bytes() as usize;
                 let mut copy = vec![0u8; gb];
                 let results: Vec<Result<(), CascadeError>> = work
+                    .items
                     .iter()
-                    .map(|(g, r, off)| {
+                    .map(|it| {
+                        let r = work.region(it);
                         // Copy out first: if the client shrinks the file
                         // under us, the group must not take the zero page.
                         // SAFETY: admission checked the range is inside the region.
-                        copy.copy_from_slice(unsafe { r.range(*off, gb) });
+                        copy.copy_from_slice(unsafe { r.range(it.offset, gb) });
                         if r.damaged() {
                             return Err(CascadeError::RegionFault(r.path.display().to_string()));
                         }
-                        let res = s.ctl.cascade.write(*g, 0, &copy);
+                        let res = s.ctl.cascade.write(it.g, 0, &copy);
                         if res.is_ok()
                             && let Some(h) = s.ctl.on_change.get()
                         {
-                            h(*g);
+                            h(it.g);
                         }
                         res
                     })
@@ -1376,7 +1504,8 @@ impl Session {
     /// before it lets go of the slots.
     fn submit_gpu_restore(
         self: &Arc<Session>,
-        work: Vec<(GroupIndex, Arc<Region>, u64)>,
+        work: Batch,
+        admitted: Instant,
     ) -> Result<Reply, Rejection> {
         let c = crate::gpu::cuda::cuda()
             .ok_or_else(|| reject(libc::ENODEV, NO_ENTRY, "no CUDA driver"))?;
@@ -1409,7 +1538,7 @@ impl Session {
             .take_staging(n * stride)
             .map_err(|e| fail(e.to_string()))?;
         let stream = self.ctl.gpu_pool.take_stream().map_err(fail)?;
-        let event = Arc::new(c.new_ipc_event().map_err(fail)?);
+        let event = Arc::new(self.ctl.gpu_pool.take_event().map_err(fail)?);
         let ready = ReadyFlag(table.as_ptr().cast::<u32>());
         // SAFETY: the table stays alive (moved into the job) until the job
         // has waited for the event; the job sets the flag on every path.
@@ -1425,7 +1554,12 @@ impl Session {
         self.st.lock().events.insert(ticket, event.clone());
         let s = self.clone();
         let started = Instant::now();
-        tracing::debug!(ticket, n, "GPU restore enqueued");
+        tracing::debug!(
+            ticket,
+            n,
+            admit_us = (started - admitted).as_micros() as u64,
+            "GPU restore enqueued"
+        );
         self.ctl.exec.submit_ticket(
             self,
             ticket,
@@ -1433,8 +1567,10 @@ impl Session {
                 let mut table = table;
                 let ready = ready;
                 let cascade = s.ctl.cascade.clone();
-                let groups: Vec<GroupIndex> = work.iter().map(|(g, _, _)| *g).collect();
+                let groups: Vec<GroupIndex> = work.items.iter().map(|it| it.g).collect();
+                let job_started = Instant::now();
                 let (hits, pins) = cascade.pin_for_device(&groups);
+                let pin_us = job_started.elapsed().as_micros() as u64;
                 let mut results: Vec<Result<(), CascadeError>> = (0..n).map(|_| Ok(())).collect();
                 let misses: Vec<usize> = (0..n).filter(|&i| hits[i].is_none()).collect();
                 let mut staging = staging;
@@ -1464,7 +1600,8 @@ impl Session {
                 {
                     let descs = &mut table.as_mut_slice()[16..16 + 16 * n];
                     for (i, d) in descs.chunks_exact_mut(16).enumerate() {
-                        let dst = work[i].1.device_addr(work[i].2).unwrap_or(0);
+                        let it = &work.items[i];
+                        let dst = work.region(it).device_addr(it.offset).unwrap_or(0);
                         let sv = if results[i].is_ok() { src[i] } else { 0 };
                         d[..8].copy_from_slice(&sv.to_le_bytes());
                         d[8..].copy_from_slice(&dst.to_le_bytes());
@@ -1473,6 +1610,8 @@ impl Session {
                 tracing::debug!(
                     ticket,
                     misses = misses.len(),
+                    queued_us = (job_started - started).as_micros() as u64,
+                    pin_us,
                     "GPU restore: descriptors ready"
                 );
                 ready.set();
@@ -1495,7 +1634,7 @@ impl Session {
     }
 
     /// A STORE from CUDA regions: device → pinned staging → T1 (write-back).
-    fn submit_gpu_store(self: &Arc<Session>, work: Vec<(GroupIndex, Arc<Region>, u64)>) -> Reply {
+    fn submit_gpu_store(self: &Arc<Session>, work: Batch) -> Reply {
         // Pinned here, not in the job (see submit_gpu_restore).
         let staging = self
             .ctl
@@ -1513,10 +1652,11 @@ impl Session {
                 let c = crate::gpu::cuda::cuda();
                 let mut buf = staging;
                 let results: Vec<Result<(), CascadeError>> = work
+                    .items
                     .iter()
-                    .map(|(g, r, off)| {
-                        let (Some(c), Ok(b), Some(src)) = (c, buf.as_mut(), r.device_addr(*off))
-                        else {
+                    .map(|it| {
+                        let src = work.region(it).device_addr(it.offset);
+                        let (Some(c), Ok(b), Some(src)) = (c, buf.as_mut(), src) else {
                             return Err(CascadeError::RegionFault(
                                 "no staging buffer or CUDA driver".into(),
                             ));
@@ -1526,9 +1666,9 @@ impl Session {
                         unsafe { c.copy_dtoh(dst, src) }.map_err(|e| {
                             CascadeError::RegionFault(format!("GPU copy failed: {e}"))
                         })?;
-                        s.ctl.cascade.write(*g, 0, dst)?;
+                        s.ctl.cascade.write(it.g, 0, dst)?;
                         if let Some(h) = s.ctl.on_change.get() {
-                            h(*g);
+                            h(it.g);
                         }
                         Ok(())
                     })
