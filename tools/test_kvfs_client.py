@@ -47,8 +47,10 @@ class Region:
 
 @unittest.skipUnless(MOUNT, "KVFS_MOUNT is not set")
 class ClientTest(unittest.TestCase):
+    USE_IOCTL = True  # small requests by ioctl(2), as the client does by default
+
     def setUp(self):
-        self.kv = Kvfs(MOUNT)
+        self.kv = Kvfs(MOUNT, use_ioctl=self.USE_IOCTL)
         self.gb = self.kv.layout["group_bytes"]
         self.regions = []
 
@@ -163,6 +165,19 @@ class ClientTest(unittest.TestCase):
         for t in ts:
             t.join()
         self.assertEqual(errors, [])
+
+
+class WriteReadTest(ClientTest):
+    """The same tests with every request by write(2) and read(2)."""
+
+    USE_IOCTL = False
+
+    def test_a_query_of_a_fresh_group(self):
+        # ClientTest's run has written every group by now: query them all.
+        keys = [(l, b, h, k) for l in range(2) for b in range(8) for h in range(2) for k in "KV"]
+        states = self.kv.query(keys)
+        self.assertEqual(len(states), len(keys))
+        self.assertTrue(all(s in ("t1", "backing") for s, _ in states), states)
 
 
 if __name__ == "__main__":
