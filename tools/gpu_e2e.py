@@ -16,6 +16,7 @@ every restored group must be intact (a slot is never reused under a copy).
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -89,7 +90,7 @@ def timed(fn):
     return time.perf_counter() - t0
 
 
-def bandwidth(kv, gb, dev, batch, inflight, rounds):
+def bandwidth(kv, gb, dev, batch, inflight, rounds, reps):
     layout = kv.layout
     t1_groups = layout["t1_slots"]
     hot = min(batch * 2, t1_groups // 2)
@@ -135,15 +136,27 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds):
         for b in batches:
             kv.wait(kv.restore(b, wait=False), timeout=WAIT_S)
 
+    def median(fn):
+        # Each figure is the median of `reps` runs: one run is a few tens of
+        # milliseconds, short enough for host scheduling noise to show.
+        return statistics.median(timed(fn) for _ in range(reps))
+
     pipelined()  # warm: kernel load, pools
-    t_pipe = timed(pipelined)
-    per_call = {k: v / rounds * 1e6 for k, v in calls.items()}
-    t_sync = timed(one_at_a_time)
+    per_call = {}
+
+    def pipelined_calls():
+        pipelined()
+        for k, v in calls.items():
+            per_call.setdefault(k, []).append(v / rounds * 1e6)
+
+    t_pipe = median(pipelined_calls)
+    per_call = {k: statistics.median(v) for k, v in per_call.items()}
+    t_sync = median(one_at_a_time)
     # Baseline: one large pinned copy of the same total bytes.
     host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     big = torch.empty(total, dtype=torch.uint8, device=dev)
     big.copy_(host, non_blocking=True)
-    t_big = timed(lambda: big.copy_(host, non_blocking=True))
+    t_big = median(lambda: big.copy_(host, non_blocking=True))
     # Context: one cudaMemcpyAsync per group from scattered pinned slots.
     slots = torch.empty(hot * gb, dtype=torch.uint8, pin_memory=True)
     order = torch.randperm(hot, generator=g)[:batch].tolist()
@@ -156,7 +169,7 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds):
     t_each = timed(per_group)
     gbps = lambda t: total / t / 1e9  # noqa: E731
     base = gbps(t_big)
-    print(f"bandwidth, {gb >> 10} KiB groups, batches of {batch}, {rounds} batches ({total / 2**20:.0f} MiB), "
+    print(f"bandwidth (medians of {reps} runs), {gb >> 10} KiB groups, batches of {batch}, {rounds} batches ({total / 2**20:.0f} MiB), "
           f"{resident}/{hot} source groups T1-resident:")
     print(f"  one large pinned H2D copy (baseline)   {base:7.2f} GB/s")
     print(f"  kvfs restore, {inflight} tickets in flight       {gbps(t_pipe):7.2f} GB/s  ({gbps(t_pipe) / base:.2f} of baseline)")
@@ -218,6 +231,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--inflight", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5, help="runs per figure (the median is printed)")
     ap.add_argument("--guard", action="store_true")
     ap.add_argument("--target", type=float, default=0.0, help="fail if pipelined/baseline is below this")
     a = ap.parse_args()
@@ -228,7 +242,7 @@ def main():
             guard(kv, gb, dev)
             return
         correctness(kv, gb, dev)
-        ratio = bandwidth(kv, gb, dev, a.batch, a.inflight, a.rounds)
+        ratio = bandwidth(kv, gb, dev, a.batch, a.inflight, a.rounds, a.reps)
         if ratio < a.target:
             print(f"BELOW TARGET: {ratio:.2f} < {a.target}")
             sys.exit(1)

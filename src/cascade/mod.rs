@@ -631,6 +631,13 @@ impl Cascade {
             .collect()
     }
 
+    /// Whether every group of `groups` is in T1 right now (one acquisition
+    /// of the state lock; the answer may be stale as soon as it returns).
+    pub fn all_resident(&self, groups: impl IntoIterator<Item = GroupIndex>) -> bool {
+        let st = self.state.lock();
+        groups.into_iter().all(|g| st.map.contains_key(&g))
+    }
+
     fn holds(&self, s: SlotId, g: GroupIndex) -> bool {
         self.tags[s.0 as usize].load(Ordering::Acquire) == g.0
     }

@@ -470,7 +470,7 @@ impl GpuPool {
     fn give(
         &self,
         table: crate::gpu::HostBuf,
-        stream: crate::gpu::cuda::Stream,
+        stream: Option<crate::gpu::cuda::Stream>,
         staging: Option<crate::gpu::HostBuf>,
     ) {
         {
@@ -482,7 +482,7 @@ impl GpuPool {
                 self.free(table);
             }
         }
-        self.streams.lock().push(stream);
+        self.streams.lock().extend(stream);
         if let Some(b) = staging {
             self.give_staging(b);
         }
@@ -536,6 +536,7 @@ impl Control {
             uid,
             gid,
             st: Mutex::new(SessionState::default()),
+            gpu_stream: Mutex::new(None),
         })
     }
 
@@ -738,6 +739,20 @@ pub struct Session {
     uid: u32,
     gid: u32,
     st: Mutex<SessionState>,
+    /// This fd's stream for GPU restores of T1-resident batches: their
+    /// copies run in submission order, so the oldest ticket finishes first
+    /// and a client keeping a few tickets in flight always has queued work
+    /// behind the one it waits for.
+    gpu_stream: Mutex<Option<crate::gpu::cuda::Stream>>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Jobs hold the session, so nothing is enqueued on it any more.
+        if let Some(s) = self.gpu_stream.get_mut().take() {
+            self.ctl.gpu_pool.streams.lock().push(s);
+        }
+    }
 }
 
 impl Session {
@@ -1537,13 +1552,32 @@ impl Session {
             .gpu_pool
             .take_staging(n * stride)
             .map_err(|e| fail(e.to_string()))?;
-        let stream = self.ctl.gpu_pool.take_stream().map_err(fail)?;
         let event = Arc::new(self.ctl.gpu_pool.take_event().map_err(fail)?);
+        // A batch all in T1 goes on this fd's ordered stream; one with
+        // misses (backing reads first) on a stream of its own, so it holds
+        // up no other ticket.
+        let resident = self
+            .ctl
+            .cascade
+            .all_resident(work.items.iter().map(|it| it.g));
+        let own_stream = if resident {
+            None
+        } else {
+            Some(self.ctl.gpu_pool.take_stream().map_err(fail)?)
+        };
+        let mut ordered = self.gpu_stream.lock();
+        let stream = match &own_stream {
+            Some(s) => s,
+            None => match &mut *ordered {
+                Some(s) => s,
+                slot => slot.insert(self.ctl.gpu_pool.take_stream().map_err(fail)?),
+            },
+        };
         let ready = ReadyFlag(table.as_ptr().cast::<u32>());
         // SAFETY: the table stays alive (moved into the job) until the job
         // has waited for the event; the job sets the flag on every path.
         let r =
-            unsafe { c.enqueue_gather(&stream, table_dev, table_dev + 16, n as u32, gb, &event) };
+            unsafe { c.enqueue_gather(stream, table_dev, table_dev + 16, n as u32, gb, &event) };
         if let Err(e) = r {
             ready.set(); // whatever was enqueued must not wait forever
             return Err(fail(e));
@@ -1626,10 +1660,14 @@ impl Session {
                     }
                 }
                 drop(pins);
-                s.ctl.gpu_pool.give(table, stream, Some(staging));
+                s.ctl.gpu_pool.give(table, own_stream, Some(staging));
                 s.complete(Command::Restore, ticket, started, results);
             }),
         );
+        // Held until the job is queued: jobs of the ordered stream reach
+        // the executor in stream order, so a job never waits (on its event)
+        // for a copy whose flag only a job queued behind it would set.
+        drop(ordered);
         Ok(reply)
     }
 
