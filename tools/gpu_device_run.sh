@@ -13,7 +13,8 @@ if [ "${SKIP_TESTS:-0}" = 0 ]; then echo "== unit and GPU tests"
 RUST_LOG=info ./.devbin/gpu --ignored --nocapture --test-threads 1 2>&1 | grep -vE "^$"
 fi
 pkill -9 -f gpu_e2e; pkill -9 -f kvfs-bin; for m in k16 k4 kg; do umount -l /mnt/$m 2>/dev/null; done; sleep 1; rm -rf /tmp/b16 /tmp/b4 /tmp/bg
-export RUST_LOG=info,kvfs::control=debug
+# Debug lines time each GPU restore (admission, pinning, copy): LOG=debug.
+export RUST_LOG=info${LOG:+,kvfs::control=$LOG}
 mkdir -p /mnt/k16 /mnt/k4 /mnt/kg
 $B mount /mnt/k16 --backing /tmp/b16 --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
 $B mount /mnt/k4 --backing /tmp/b4 --t1 256MiB --preset llama-3.1-8b || exit 1

@@ -304,11 +304,30 @@ impl Drop for Pin<'_> {
     }
 }
 
-/// Slots held for device copies (see `Cascade::pin_for_device`).
+/// Slots held for device copies (see `Cascade::pin_for_device`): each
+/// slot in `locked` read-locked once, each entry of `pinned` one pin.
 pub struct DevicePins<'a> {
-    // Field order: locks are released before the pins.
-    _locks: Vec<parking_lot::RwLockReadGuard<'a, ()>>,
-    _pins: Vec<Pin<'a>>,
+    c: &'a Cascade,
+    locked: Vec<u32>,
+    pinned: Vec<(u32, u32)>,
+}
+
+impl Drop for DevicePins<'_> {
+    fn drop(&mut self) {
+        // Locks before pins, as everywhere.
+        for &s in &self.locked {
+            // SAFETY: pin_for_device took exactly one read lock on each of
+            // these slots and forgot its guard.
+            unsafe { self.c.slot_locks[s as usize].force_unlock_read() };
+        }
+        let mut freed = false;
+        for &(s, _) in &self.pinned {
+            freed |= self.c.pins[s as usize].fetch_sub(1, Ordering::AcqRel) == 1;
+        }
+        if freed {
+            self.c.changed.notify_all();
+        }
+    }
 }
 
 enum Claim<'a> {
@@ -1041,26 +1060,34 @@ impl Cascade {
         // Pin first, then lock in ascending slot order, each slot once: every
         // holder of several slot locks (this, sync_all) takes them in that
         // order, so waits cannot form a cycle even with queued writers.
-        let mut pins: Vec<(usize, Pin<'_>)> = self
-            .pin_resident_many(groups)
-            .into_iter()
-            .enumerate()
-            .filter_map(|(i, p)| p.map(|p| (i, p)))
-            .collect();
-        pins.sort_by_key(|(_, p)| p.slot);
-        let mut addrs = vec![None; groups.len()];
-        let mut locks = Vec::with_capacity(pins.len());
-        let mut last: Option<SlotId> = None;
-        let mut hits = 0;
-        for (i, pin) in &pins {
-            if last != Some(pin.slot) {
-                locks.push(self.slot_locks[pin.slot.0 as usize].read());
-                last = Some(pin.slot);
+        // Slots and indexes as plain u32 pairs: a batch of 4096 costs tens
+        // of microseconds here, and every byte moved counts.
+        let mut pinned: Vec<(u32, u32)> = Vec::with_capacity(groups.len());
+        {
+            let mut st = self.state.lock();
+            for (i, g) in groups.iter().enumerate() {
+                let Some(&s) = st.map.get(g) else { continue };
+                self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+                if st.slot_state[s.0 as usize] == SlotState::Resident {
+                    st.policy.touch(s);
+                }
+                pinned.push((s.0, i as u32));
             }
-            if self.holds(pin.slot, groups[*i])
-                && let Some(d) = self.slot_device_ptr(pin.slot)
+        }
+        pinned.sort_unstable();
+        let mut addrs = vec![None; groups.len()];
+        let mut locked: Vec<u32> = Vec::with_capacity(pinned.len());
+        let mut hits = 0;
+        for &(s, i) in &pinned {
+            if locked.last() != Some(&s) {
+                // Released by DevicePins::drop.
+                std::mem::forget(self.slot_locks[s as usize].read());
+                locked.push(s);
+            }
+            if self.holds(SlotId(s), groups[i as usize])
+                && let Some(d) = self.slot_device_ptr(SlotId(s))
             {
-                addrs[*i] = Some(d);
+                addrs[i as usize] = Some(d);
                 hits += 1;
             }
         }
@@ -1072,8 +1099,9 @@ impl Cascade {
         (
             addrs,
             DevicePins {
-                _locks: locks,
-                _pins: pins.into_iter().map(|(_, p)| p).collect(),
+                c: self,
+                locked,
+                pinned,
             },
         )
     }

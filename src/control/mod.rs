@@ -179,6 +179,14 @@ pub struct Rejection {
     pub message: String,
 }
 
+fn overlap(a: usize, b: usize, region: u32) -> Rejection {
+    reject(
+        libc::EINVAL,
+        b as u32,
+        format!("entries {a} and {b} restore into overlapping bytes of region {region}"),
+    )
+}
+
 fn reject(errno: i32, entry: u32, message: impl Into<String>) -> Rejection {
     Rejection {
         errno,
@@ -360,10 +368,11 @@ fn hex(b: &[u8]) -> String {
 #[derive(Default)]
 struct GpuPool {
     events: Arc<Mutex<Vec<crate::gpu::cuda::IpcEvent>>>,
+    device: Mutex<Vec<crate::gpu::cuda::DeviceBuf>>,
     streams: Mutex<Vec<crate::gpu::cuda::Stream>>,
     tables: Mutex<Vec<crate::gpu::HostBuf>>,
     staging: Mutex<Vec<crate::gpu::HostBuf>>,
-    reaper: OnceLock<Mutex<std::sync::mpsc::Sender<crate::gpu::HostBuf>>>,
+    reaper: OnceLock<Mutex<std::sync::mpsc::Sender<Box<dyn Send>>>>,
 }
 
 /// Pooled buffers kept per kind.
@@ -395,6 +404,29 @@ impl Drop for PooledEvent {
 }
 
 impl GpuPool {
+    /// Device memory for a ticket's descriptors.
+    fn take_device(&self, len: usize) -> Result<crate::gpu::cuda::DeviceBuf, String> {
+        let mut t = self.device.lock();
+        if let Some(i) = t.iter().position(|b| b.len() >= len) {
+            return Ok(t.swap_remove(i));
+        }
+        drop(t);
+        crate::gpu::cuda::cuda()
+            .ok_or("no CUDA driver")?
+            .alloc_device(len.next_power_of_two().max(4096))
+    }
+
+    fn give_device(&self, b: crate::gpu::cuda::DeviceBuf) {
+        let mut t = self.device.lock();
+        if t.len() < GPU_POOL_KEEP {
+            t.push(b);
+        } else {
+            drop(t);
+            // cuMemFree may wait for the device: not on an executor thread.
+            self.free_later(Box::new(b));
+        }
+    }
+
     fn take_event(&self) -> Result<PooledEvent, String> {
         let ev = match self.events.lock().pop() {
             Some(e) => e,
@@ -413,7 +445,8 @@ impl GpuPool {
         let mut t = self.tables.lock();
         if let Some(i) = t.iter().position(|b| b.len() >= need) {
             let mut b = t.swap_remove(i);
-            b.as_mut_slice()[..need].fill(0);
+            // The flag only: the job writes every descriptor before setting it.
+            b.as_mut_slice()[..16].fill(0);
             return Ok(b);
         }
         drop(t);
@@ -442,8 +475,13 @@ impl GpuPool {
     /// the device to go idle, and an executor thread must never wait on a
     /// stream that may be waiting on a job still queued behind it.
     fn free(&self, b: crate::gpu::HostBuf) {
+        self.free_later(Box::new(b));
+    }
+
+    /// Drops GPU memory (pinned or device) on a thread of its own.
+    fn free_later(&self, b: Box<dyn Send>) {
         let tx = self.reaper.get_or_init(|| {
-            let (tx, rx) = std::sync::mpsc::channel::<crate::gpu::HostBuf>();
+            let (tx, rx) = std::sync::mpsc::channel::<Box<dyn Send>>();
             std::thread::Builder::new()
                 .name("kvfs-gpu-free".into())
                 .spawn(move || {
@@ -1266,7 +1304,8 @@ impl Session {
 
     /// All-or-nothing admission of RESTORE/STORE entries.
     fn admit_io(&self, cmd: Command, entries: &[IoEntry]) -> Result<Batch, Rejection> {
-        let gb = self.ctl.cascade.layout().group_bytes();
+        let layout = *self.ctl.cascade.layout();
+        let gb = layout.group_bytes();
         let st = self.st.lock();
         let mut batch = Batch {
             regions: Vec::new(),
@@ -1275,8 +1314,16 @@ impl Session {
         let mut ids: Vec<u32> = Vec::new();
         // Batches mostly name one region: the last one is checked first.
         let mut last: Option<(u32, u32)> = None;
+        // Restore destinations must not overlap. Engines mostly name them
+        // in ascending order, which one comparison per entry checks; any
+        // other order is sorted and checked after the loop.
+        let mut ascending = true;
+        let mut prev: Option<(u32, u64)> = None;
         for (i, e) in entries.iter().enumerate() {
-            let g = self.key_index(i, &e.key)?;
+            let g = match e.key.key().map(|k| layout.index(k)) {
+                Some(Ok(g)) => g,
+                _ => return Err(self.key_index(i, &e.key).expect_err("a bad key")),
+            };
             let at = match last.filter(|(id, _)| *id == e.region) {
                 Some((_, at)) => at,
                 None => match ids.iter().position(|&id| id == e.region) {
@@ -1345,6 +1392,14 @@ impl Session {
                     ),
                 ));
             }
+            if let Some((pr, po)) = prev {
+                if (at, e.offset) <= (pr, po) {
+                    ascending = false;
+                } else if cmd == Command::Restore && pr == at && po + gb > e.offset {
+                    return Err(overlap(i - 1, i, e.region));
+                }
+            }
+            prev = Some((at, e.offset));
             batch.items.push(Item {
                 g,
                 region: at,
@@ -1359,7 +1414,7 @@ impl Session {
                 format!("GPU copies need groups of a multiple of 16 bytes; these are {gb}"),
             ));
         }
-        if cmd == Command::Restore {
+        if cmd == Command::Restore && !ascending {
             // Two restores into the same bytes would race: refuse.
             let mut spans: Vec<(u32, u64, u32)> = batch
                 .items
@@ -1367,21 +1422,11 @@ impl Session {
                 .enumerate()
                 .map(|(i, it)| (it.region, it.offset, i as u32))
                 .collect();
-            // Engines mostly restore into ascending offsets: skip the sort then.
-            if !spans.is_sorted() {
-                spans.sort_unstable();
-            }
+            spans.sort_unstable();
             for w in spans.windows(2) {
                 if w[0].0 == w[1].0 && w[0].1 + gb > w[1].1 {
                     let (a, b) = (w[0].2.min(w[1].2), w[0].2.max(w[1].2));
-                    return Err(reject(
-                        libc::EINVAL,
-                        b,
-                        format!(
-                            "entries {a} and {b} restore into overlapping bytes of region {}",
-                            entries[b as usize].region
-                        ),
-                    ));
+                    return Err(overlap(a as usize, b as usize, entries[b as usize].region));
                 }
             }
         }
@@ -1522,6 +1567,7 @@ impl Session {
         work: Batch,
         admitted: Instant,
     ) -> Result<Reply, Rejection> {
+        let validated = Instant::now();
         let c = crate::gpu::cuda::cuda()
             .ok_or_else(|| reject(libc::ENODEV, NO_ENTRY, "no CUDA driver"))?;
         let n = work.len();
@@ -1553,13 +1599,16 @@ impl Session {
             .take_staging(n * stride)
             .map_err(|e| fail(e.to_string()))?;
         let event = Arc::new(self.ctl.gpu_pool.take_event().map_err(fail)?);
+        let staged_descs = self.ctl.gpu_pool.take_device(16 * n).map_err(fail)?;
         // A batch all in T1 goes on this fd's ordered stream; one with
         // misses (backing reads first) on a stream of its own, so it holds
         // up no other ticket.
+        let checked = Instant::now();
         let resident = self
             .ctl
             .cascade
             .all_resident(work.items.iter().map(|it| it.g));
+        let resident_us = checked.elapsed().as_micros() as u64;
         let own_stream = if resident {
             None
         } else {
@@ -1574,10 +1623,22 @@ impl Session {
             },
         };
         let ready = ReadyFlag(table.as_ptr().cast::<u32>());
-        // SAFETY: the table stays alive (moved into the job) until the job
-        // has waited for the event; the job sets the flag on every path.
-        let r =
-            unsafe { c.enqueue_gather(stream, table_dev, table_dev + 16, n as u32, gb, &event) };
+        // SAFETY: the table holds 16 + 16 × n bytes (take_table).
+        let descs = unsafe { table.as_ptr().add(16) };
+        // SAFETY: the table and staged_descs stay alive (moved into the
+        // job) until the job has waited for the event; the job sets the
+        // flag on every path.
+        let r = unsafe {
+            c.enqueue_gather(
+                stream,
+                table_dev,
+                descs,
+                &staged_descs,
+                n as u32,
+                gb,
+                &event,
+            )
+        };
         if let Err(e) = r {
             ready.set(); // whatever was enqueued must not wait forever
             return Err(fail(e));
@@ -1592,6 +1653,8 @@ impl Session {
             ticket,
             n,
             admit_us = (started - admitted).as_micros() as u64,
+            resident_us,
+            validate_us = (validated - admitted).as_micros() as u64,
             "GPU restore enqueued"
         );
         self.ctl.exec.submit_ticket(
@@ -1661,6 +1724,7 @@ impl Session {
                 }
                 drop(pins);
                 s.ctl.gpu_pool.give(table, own_stream, Some(staging));
+                s.ctl.gpu_pool.give_device(staged_descs);
                 s.complete(Command::Restore, ticket, started, results);
             }),
         );
@@ -1763,5 +1827,49 @@ impl Session {
             }),
         );
         Ok(Reply::ok(Command::Prefetch, ticket))
+    }
+}
+
+#[cfg(test)]
+mod admit_bench {
+    use super::*;
+
+    #[test]
+    #[ignore]
+    fn admit_bench() {
+        let d = tempfile::tempdir().unwrap();
+        let layout = crate::geometry::GroupLayout::preset("llama-3.1-8b", 1024, 16).unwrap();
+        let c = crate::bench::scratch_cascade(d.path(), layout, 1024).unwrap();
+        let ctl = Control::new(c);
+        let s = ctl.open_session(0, 0);
+        let gb = layout.group_bytes();
+        let path = d.path().join("region");
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(4096 * gb)
+            .unwrap();
+        let r = s
+            .register(path.as_os_str().as_encoded_bytes(), 4096 * gb, 0)
+            .unwrap()
+            .value as u32;
+        let entries: Vec<IoEntry> = (0..4096u64)
+            .map(|i| IoEntry {
+                key: wire::RawKey {
+                    layer: 0,
+                    block: i / 16,
+                    head: (i / 2 % 8) as u32,
+                    kind: (i % 2) as u32,
+                },
+                region: r,
+                offset: i * gb,
+            })
+            .collect();
+        for _ in 0..3 {
+            let t = Instant::now();
+            for _ in 0..20000 {
+                std::hint::black_box(s.admit_io(Command::Restore, &entries).unwrap());
+            }
+            eprintln!("admit_io 4096: {:?}", t.elapsed() / 20000);
+        }
     }
 }

@@ -124,6 +124,52 @@ impl Cuda {
     }
 }
 
+/// Device memory of this context (cuMemAlloc), freed on drop.
+pub struct DeviceBuf {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceBuf {
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for DeviceBuf {
+    fn drop(&mut self) {
+        if let Some(c) = cuda()
+            && c.bind().is_ok()
+        {
+            // SAFETY: ptr came from cuMemAlloc and no copy uses it any more
+            // (owners drop it only after the copies' event completed).
+            unsafe {
+                sys::cuMemFree_v2(self.ptr);
+            }
+        }
+    }
+}
+
+impl Cuda {
+    /// `len` bytes of device memory.
+    pub fn alloc_device(&self, len: usize) -> Result<DeviceBuf, String> {
+        self.bind()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: ptr receives a fresh allocation.
+        let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) };
+        check(r, "cuMemAlloc")?;
+        Ok(DeviceBuf { ptr, len })
+    }
+}
+
 /// The gather kernel, shipped as PTX text (source: kernels/gather.cu).
 const GATHER_PTX: &str = concat!(include_str!("kernels/gather.ptx"), "\0");
 /// Threads per gather block: a 16 KiB group is 1024 16-byte words, four
@@ -270,23 +316,34 @@ impl Cuda {
     }
 
     /// Enqueues on `stream`: wait until the u32 at device address `ready`
-    /// is at least 1; gather `n` descriptors ({src, dst} device addresses,
-    /// src 0 = skip) of `bytes` each; record `event`. The host fills the
-    /// descriptors, then sets `ready`.
+    /// is at least 1; copy the `n` descriptors ({src, dst} device
+    /// addresses, src 0 = skip) at host address `descs` into `staged`
+    /// (device memory: each block then reads its descriptor from HBM, not
+    /// across PCIe); gather `bytes` per descriptor; record `event`. The
+    /// host fills the descriptors, then sets `ready`.
     ///
     /// # Safety
-    /// `ready` and `descs` stay mapped until `event` completes; every
+    /// `ready` and `descs` (pinned, `ready` device-mapped) and `staged` (at
+    /// least 16 × n bytes) stay alive until `event` completes; every
     /// descriptor written before `ready` is set names `bytes` readable and
     /// writable device-visible bytes, 16-byte aligned.
+    #[expect(clippy::too_many_arguments, reason = "one enqueue, all its parts")]
     pub unsafe fn enqueue_gather(
         &self,
         stream: &Stream,
         ready: u64,
-        descs: u64,
+        descs: *const u8,
+        staged: &DeviceBuf,
         n: u32,
         bytes: u64,
         event: &IpcEvent,
     ) -> Result<(), String> {
+        if staged.len() < 16 * n as usize {
+            return Err(format!(
+                "descriptor buffer of {} bytes for {n} descriptors",
+                staged.len()
+            ));
+        }
         self.bind()?;
         let f = self.gather()?;
         // SAFETY: ready is mapped pinned memory (caller's contract).
@@ -300,7 +357,13 @@ impl Cuda {
         };
         check(r, "cuStreamWaitValue32")?;
         if n > 0 {
-            let (mut a, mut b, mut c) = (descs, n, bytes);
+            // SAFETY: descs is pinned host memory of 16 × n bytes and staged
+            // at least as long (checked above); both outlive the event.
+            let r = unsafe {
+                sys::cuMemcpyHtoDAsync_v2(staged.ptr, descs.cast(), 16 * n as usize, stream.0)
+            };
+            check(r, "cuMemcpyHtoDAsync(descriptors)")?;
+            let (mut a, mut b, mut c) = (staged.ptr, n, bytes);
             let mut params: [*mut std::ffi::c_void; 3] = [
                 (&mut a as *mut u64).cast(),
                 (&mut b as *mut u32).cast(),
