@@ -715,3 +715,112 @@ fn requests_split_across_writes_or_packed_in_one_are_all_served() {
     let r = read_replies(&f, 1);
     assert_eq!((r[0].status, r[0].states.len()), (0, 3));
 }
+
+#[test]
+fn entries_named_in_a_region_and_their_refusals() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(BIG);
+    let c = Client::open(&m.mp).unwrap();
+    let n = 600u64; // 19 KiB of entries: more than one ioctl could carry
+    let data = ShmRegion::new(n * GB as u64);
+    for i in 0..n {
+        data.write(i * GB as u64, &pattern(900 + i, GB));
+    }
+    let rd = c.register_host_region(&data.path(), data.len).unwrap();
+    let list = ShmRegion::new(64 + n * wire::IO_ENTRY_BYTES as u64);
+    let rl = c.register_host_region(&list.path(), list.len).unwrap();
+    let entries = |dst: u64| -> Vec<wire::IoEntry> {
+        (0..n)
+            .map(|i| {
+                let k = key(i * 3);
+                wire::IoEntry {
+                    key: wire::RawKey {
+                        layer: k.layer,
+                        block: k.block,
+                        head: k.head,
+                        kind: k.kind as u32,
+                    },
+                    region: dst as u32,
+                    offset: i * GB as u64,
+                }
+            })
+            .collect()
+    };
+    let mut bytes = Vec::new();
+    wire::encode_io_entries(&mut bytes, &entries(rd as u64));
+    list.write(64, &bytes);
+    let at = wire::EntriesAt {
+        region: rl,
+        offset: 64,
+        count: n as u32,
+    };
+    let req = wire::encode_request(&Request::StoreFrom(at));
+    assert_eq!(req.len(), wire::HEADER_BYTES);
+    let rep = c.ioctl_bytes(&req, 1024).unwrap();
+    assert_eq!(rep.status, 0, "{}", rep.message);
+    c.wait(rep.value, None).unwrap();
+    for i in (0..n).step_by(37) {
+        assert_eq!(
+            fs::read(m.p(&path(&key(i * 3)))).unwrap(),
+            pattern(900 + i, GB)
+        );
+    }
+    // Restore them into a fresh region through the same entry list,
+    // rewritten to name it.
+    let back = ShmRegion::new(n * GB as u64);
+    let rb = c.register_host_region(&back.path(), back.len).unwrap();
+    bytes.clear();
+    wire::encode_io_entries(&mut bytes, &entries(rb as u64));
+    list.write(64, &bytes);
+    let rep = c
+        .ioctl_bytes(&wire::encode_request(&Request::RestoreFrom(at)), 1024)
+        .unwrap();
+    assert_eq!(rep.status, 0, "{}", rep.message);
+    c.wait(rep.value, None).unwrap();
+    assert_eq!(
+        back.read(0, (n * GB as u64) as usize),
+        data.read(0, (n * GB as u64) as usize)
+    );
+    // Refusals: an unknown region, entries past the end, unknown flags, a
+    // bad entry inside the list (named by its index).
+    let refuse = |req: Vec<u8>| c.ioctl_bytes(&req, 1024).unwrap();
+    let r = refuse(wire::encode_request(&Request::RestoreFrom(
+        wire::EntriesAt { region: 999, ..at },
+    )));
+    assert_eq!(r.status as i32, libc::EBADF, "{}", r.message);
+    let r = refuse(wire::encode_request(&Request::RestoreFrom(
+        wire::EntriesAt { offset: 65, ..at },
+    )));
+    assert_eq!(r.status as i32, libc::EFAULT, "{}", r.message);
+    let r = refuse(wire::encode_request(&Request::RestoreFrom(
+        wire::EntriesAt {
+            offset: u64::MAX - 8,
+            ..at
+        },
+    )));
+    assert_eq!(r.status as i32, libc::EFAULT, "{}", r.message);
+    let mut flags = wire::encode_request(&Request::RestoreFrom(at));
+    flags[16] |= 2;
+    let r = refuse(flags);
+    assert!(
+        r.status as i32 == libc::EINVAL && r.message.contains("flags"),
+        "{}",
+        r.message
+    );
+    let mut bad = entries(rb as u64);
+    bad[333].key.layer = 99;
+    bytes.clear();
+    wire::encode_io_entries(&mut bytes, &bad);
+    list.write(64, &bytes);
+    let r = refuse(wire::encode_request(&Request::RestoreFrom(at)));
+    assert_eq!(
+        (r.status as i32, r.entry),
+        (libc::ERANGE, 333),
+        "{}",
+        r.message
+    );
+    // And the fd still serves.
+    assert_eq!(c.hello().unwrap().0, 1);
+}

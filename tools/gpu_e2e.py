@@ -90,7 +90,7 @@ def timed(fn):
     return time.perf_counter() - t0
 
 
-def bandwidth(kv, gb, dev, batch, inflight, rounds, reps):
+def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None):
     layout = kv.layout
     t1_groups = layout["t1_slots"]
     hot = min(batch * 2, t1_groups // 2)
@@ -117,14 +117,18 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps):
     total = rounds * batch * gb
 
     calls = {"restore": 0.0, "wait": 0.0}
+    spans = []  # (ticket, wall time the RESTORE call began, ended), last run
 
     def pipelined():
         pending = []
         calls["restore"] = calls["wait"] = 0.0
+        spans.clear()
         for b in batches:
             t0 = time.perf_counter()
+            w0 = time.time()
             pending.append(kv.restore(b, wait=False))
             t1 = time.perf_counter()
+            spans.append((int(pending[-1]), w0, time.time()))
             if len(pending) >= inflight:
                 kv.wait(pending.pop(0), timeout=WAIT_S)
             calls["restore"] += t1 - t0
@@ -151,6 +155,10 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps):
 
     t_pipe = median(pipelined_calls)
     per_call = {k: statistics.median(v) for k, v in per_call.items()}
+    if trace:
+        with open(trace, "w") as f:
+            for t, a, b in spans:
+                f.write(f"{t} {a:.6f} {b:.6f}\n")
     t_sync = median(one_at_a_time)
     # Baseline: one large pinned copy of the same total bytes.
     host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
@@ -232,6 +240,7 @@ def main():
     ap.add_argument("--inflight", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5, help="runs per figure (the median is printed)")
+    ap.add_argument("--trace", help="write each RESTORE call's ticket and wall-clock start and end here")
     ap.add_argument("--guard", action="store_true")
     ap.add_argument("--target", type=float, default=0.0, help="fail if pipelined/baseline is below this")
     a = ap.parse_args()
@@ -242,7 +251,7 @@ def main():
             guard(kv, gb, dev)
             return
         correctness(kv, gb, dev)
-        ratio = bandwidth(kv, gb, dev, a.batch, a.inflight, a.rounds, a.reps)
+        ratio = bandwidth(kv, gb, dev, a.batch, a.inflight, a.rounds, a.reps, a.trace)
         if ratio < a.target:
             print(f"BELOW TARGET: {ratio:.2f} < {a.target}")
             sys.exit(1)

@@ -8,7 +8,9 @@
         print(kv.query([(3, 17, 0, "K")]))           # [('t1', True)]
 
 A request whose record and reply fit in 16 KiB travels as one ioctl(2);
-larger ones as write(2) of the request record and read(2) of its reply
+a larger RESTORE or STORE puts its entries in a scratch host region of the
+session (a /dev/shm file) and sends one ioctl naming them; other large
+requests go as write(2) of the request record and read(2) of its reply
 (Kvfs(mount, use_ioctl=False) uses write/read for all; the wire format is
 specified in kvfs's README.md). Failures raise
 KvfsError with .errno, .entry (the offending entry's index, or None) and a
@@ -17,7 +19,9 @@ message from the daemon.
 
 import fcntl
 import json
+import mmap
 import os
+import tempfile
 import struct
 import threading
 
@@ -36,6 +40,7 @@ _STATE = struct.Struct("<BBHI")         # state, dirty, pad, crc32c
 
 
 REGISTER_CUDA = 1
+ENTRIES_IN_REGION = 1  # RESTORE/STORE arg0 flag; the region id is in arg0's upper 32 bits
 _IOCTL_MAX = (1 << 14) - 1  # the size field of an ioctl number
 _IOCTL_MESSAGE = 1024       # room for a reply's message in an ioctl buffer
 
@@ -95,7 +100,8 @@ class Kvfs:
         self.mountpoint = os.fspath(mountpoint)
         self._use_ioctl = use_ioctl
         self._fd = os.open(os.path.join(self.mountpoint, ".kvfs", "control"), os.O_RDWR | os.O_CLOEXEC)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._scratch = None  # (region, mmap, size): where large batches' entries go
         version, layout = self._call(HELLO)
         self.version = version
         self.layout = json.loads(layout)
@@ -114,6 +120,9 @@ class Kvfs:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        if self._scratch is not None:
+            self._scratch[1].close()
+            self._scratch = None
 
     # --- transport -------------------------------------------------------
 
@@ -250,20 +259,52 @@ class Kvfs:
         entries = list(entries)
         return len(entries), self._io_body(entries)
 
+    def _scratch_for(self, size):
+        """A host region of this session for batches' entries, at least
+        `size` bytes (called with the lock held)."""
+        if self._scratch is None or self._scratch[2] < size:
+            old = self._scratch
+            cap = 1 << max(20, (size - 1).bit_length())
+            d = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            fd, path = tempfile.mkstemp(prefix="kvfs-entries-", dir=d)
+            try:
+                os.ftruncate(fd, cap)
+                region = self.register_host_region(path, cap)
+                mm = mmap.mmap(fd, cap)
+            finally:
+                os.close(fd)
+                os.unlink(path)  # the daemon keeps its mapping
+            self._scratch = (region, mm, cap)
+            if old is not None:
+                self.unregister(old[0])
+                old[1].close()
+        return self._scratch
+
+    def _io(self, command, entries):
+        count, body = self._entries(entries)
+        if not self._use_ioctl or _HEADER.size + len(body) <= _IOCTL_MAX:
+            return self._call(command, count, body=body)
+        # Too large for one ioctl: the entries go into this session's
+        # scratch region and the request names them there (a bare header,
+        # one trip through FUSE). The daemon has read them when the call
+        # returns, so the next call may reuse the space.
+        with self._lock:
+            region, mm, _ = self._scratch_for(len(body))
+            mm[:len(body)] = body
+            return self._call(command, count, (region << 32) | ENTRIES_IN_REGION, 0)
+
     def restore(self, entries, wait=True):
         """Restores groups into regions. entries: (layer, block, head, 'K'|'V', region, offset).
         Returns the ticket (after it finished, when wait is true); for CUDA
         regions the ticket carries .ipc_event_handle."""
-        count, body = self._entries(entries)
-        ticket = _ticket(*self._call(RESTORE, count, body=body))
+        ticket = _ticket(*self._io(RESTORE, entries))
         if wait:
             self.wait(ticket)
         return ticket
 
     def store(self, entries, wait=True):
         """Makes region bytes the groups' contents. Same entries as restore."""
-        count, body = self._entries(entries)
-        ticket, _ = self._call(STORE, count, body=body)
+        ticket, _ = self._io(STORE, entries)
         if wait:
             self.wait(ticket)
         return ticket

@@ -101,6 +101,33 @@ class ClientTest(unittest.TestCase):
         self.kv.unregister(r)
         self.kv.unregister(r2)
 
+    def test_large_batches(self):
+        # 1024 entries (32 KiB): too large for one ioctl, so the entries go
+        # through the session's scratch region (or write/read without ioctl).
+        keys = [(l, b, h, k) for l in range(2) for b in range(8) for h in range(2) for k in "KV"]
+        n = 1024
+        src = self.region(len(keys))
+        for i in range(len(keys)):
+            src.write(i * self.gb, pattern(i + 300, self.gb))
+        rs = self.kv.register_host_region(src.path, src.size)
+        self.kv.store([k + (rs, i * self.gb) for i, k in enumerate(keys)])
+        dst = self.region(n)
+        rd = self.kv.register_host_region(dst.path, dst.size)
+        for rep in range(3):  # the scratch region is reused
+            order = [(i * 7 + rep) % len(keys) for i in range(n)]
+            self.kv.restore([keys[j] + (rd, i * self.gb) for i, j in enumerate(order)])
+            for i, j in enumerate(order):
+                self.assertEqual(dst.read(i * self.gb, self.gb), pattern(j + 300, self.gb), (rep, i))
+        self.assertEqual(self.kv._scratch is not None, self.USE_IOCTL)
+        # A bad entry deep in a large batch is still refused whole, naming it.
+        bad = [keys[0] + (rd, i * self.gb) for i in range(n)]
+        bad[700] = (9, 0, 0, "K", rd, 700 * self.gb)
+        with self.assertRaises(KvfsError) as e:
+            self.kv.restore(bad)
+        self.assertEqual((e.exception.errno, e.exception.entry), (errno.ERANGE, 700))
+        self.kv.unregister(rs)
+        self.kv.unregister(rd)
+
     def test_prefetch_shows_in_resident(self):
         src = self.region(1)
         src.write(0, pattern(7, self.gb))

@@ -1050,8 +1050,8 @@ impl Session {
             Request::Hello => Command::Hello,
             Request::Register { .. } => Command::Register,
             Request::Unregister { .. } => Command::Unregister,
-            Request::Restore(_) => Command::Restore,
-            Request::Store(_) => Command::Store,
+            Request::Restore(_) | Request::RestoreFrom(_) => Command::Restore,
+            Request::Store(_) | Request::StoreFrom(_) => Command::Store,
             Request::Query(_) => Command::Query,
             Request::Prefetch(_) => Command::Prefetch,
             Request::Wait { .. } => unreachable!("WAIT is handled by its transport"),
@@ -1062,6 +1062,12 @@ impl Session {
             Request::Unregister { region } => self.unregister(region),
             Request::Restore(e) => self.submit_io(Command::Restore, &e),
             Request::Store(e) => self.submit_io(Command::Store, &e),
+            Request::RestoreFrom(at) => self
+                .entries_from(at)
+                .and_then(|e| self.submit_io(Command::Restore, &e)),
+            Request::StoreFrom(at) => self
+                .entries_from(at)
+                .and_then(|e| self.submit_io(Command::Store, &e)),
             Request::Query(k) => self.query(&k),
             Request::Prefetch(k) => self.prefetch(&k),
             Request::Wait { .. } => unreachable!(),
@@ -1302,6 +1308,63 @@ impl Session {
             .map_err(|e| reject(libc::ERANGE, i as u32, format!("entry {i}: {key}: {e}")))
     }
 
+    /// The entries of a RESTORE/STORE that names them in a host region
+    /// (wire::ENTRIES_IN_REGION), each field read once: the client may
+    /// change the region at any moment, and what was read is what counts.
+    fn entries_from(&self, at: wire::EntriesAt) -> Result<Vec<IoEntry>, Rejection> {
+        let region = self.st.lock().regions.get(&at.region).cloned();
+        let region = region.ok_or_else(|| {
+            reject(
+                libc::EBADF,
+                NO_ENTRY,
+                format!(
+                    "the entries' region {} is not registered on this fd",
+                    at.region
+                ),
+            )
+        })?;
+        if region.is_cuda() {
+            return Err(reject(
+                libc::EINVAL,
+                NO_ENTRY,
+                format!(
+                    "the entries' region {} is GPU memory; entries are read from a host region",
+                    at.region
+                ),
+            ));
+        }
+        let bytes = at.count as u64 * wire::IO_ENTRY_BYTES as u64;
+        if at.offset > region.len() || region.len() - at.offset < bytes {
+            return Err(reject(
+                libc::EFAULT,
+                NO_ENTRY,
+                format!(
+                    "{} entries at bytes {}..{} lie outside region {} ({} bytes)",
+                    at.count,
+                    at.offset,
+                    at.offset.saturating_add(bytes),
+                    at.region,
+                    region.len()
+                ),
+            ));
+        }
+        // SAFETY: the range was checked to lie inside the region, which
+        // `region` keeps mapped; a shrunk file reads as zeros (guard) and
+        // is caught just below.
+        let entries = wire::decode_io_entries(unsafe { region.range(at.offset, bytes as usize) });
+        if region.damaged() {
+            return Err(reject(
+                libc::EFAULT,
+                NO_ENTRY,
+                format!(
+                    "region {}'s file shrank while its entries were read",
+                    at.region
+                ),
+            ));
+        }
+        Ok(entries)
+    }
+
     /// All-or-nothing admission of RESTORE/STORE entries.
     fn admit_io(&self, cmd: Command, entries: &[IoEntry]) -> Result<Batch, Rejection> {
         let layout = *self.ctl.cascade.layout();
@@ -1312,8 +1375,11 @@ impl Session {
             items: Vec::with_capacity(entries.len()),
         };
         let mut ids: Vec<u32> = Vec::new();
-        // Batches mostly name one region: the last one is checked first.
-        let mut last: Option<(u32, u32)> = None;
+        // The region of the previous entry (batches mostly name one):
+        // (id, position in batch.regions, length, device base, alignment
+        // mask: 15 for CUDA regions, whose destinations must be 16-byte
+        // aligned, else 0).
+        let mut cur: Option<(u32, u32, u64, u64, u64)> = None;
         // Restore destinations must not overlap. Engines mostly name them
         // in ascending order, which one comparison per entry checks; any
         // other order is sorted and checked after the loop.
@@ -1324,65 +1390,67 @@ impl Session {
                 Some(Ok(g)) => g,
                 _ => return Err(self.key_index(i, &e.key).expect_err("a bad key")),
             };
-            let at = match last.filter(|(id, _)| *id == e.region) {
-                Some((_, at)) => at,
-                None => match ids.iter().position(|&id| id == e.region) {
-                    Some(at) => at as u32,
-                    None => {
-                        let region = st.regions.get(&e.region).ok_or_else(|| {
-                            reject(
-                                libc::EBADF,
-                                i as u32,
-                                format!(
-                                    "entry {i}: region {} is not registered on this fd",
-                                    e.region
-                                ),
-                            )
-                        })?;
-                        if region.damaged() {
-                            return Err(reject(
-                                libc::EFAULT,
-                                i as u32,
-                                format!(
-                                    "entry {i}: region {}'s file shrank under a copy; unregister it and register again",
-                                    e.region
-                                ),
-                            ));
+            let (at, len, base, mask) = match cur {
+                Some((id, at, len, base, mask)) if id == e.region => (at, len, base, mask),
+                _ => {
+                    let at = match ids.iter().position(|&id| id == e.region) {
+                        Some(at) => at as u32,
+                        None => {
+                            let region = st.regions.get(&e.region).ok_or_else(|| {
+                                reject(
+                                    libc::EBADF,
+                                    i as u32,
+                                    format!(
+                                        "entry {i}: region {} is not registered on this fd",
+                                        e.region
+                                    ),
+                                )
+                            })?;
+                            if region.damaged() {
+                                return Err(reject(
+                                    libc::EFAULT,
+                                    i as u32,
+                                    format!(
+                                        "entry {i}: region {}'s file shrank under a copy; unregister it and register again",
+                                        e.region
+                                    ),
+                                ));
+                            }
+                            if let Some(first) = batch.regions.first()
+                                && first.is_cuda() != region.is_cuda()
+                            {
+                                return Err(reject(
+                                    libc::EINVAL,
+                                    i as u32,
+                                    format!(
+                                        "entry {i}: one batch targets host regions or CUDA regions, not both"
+                                    ),
+                                ));
+                            }
+                            ids.push(e.region);
+                            batch.regions.push(region.clone());
+                            (ids.len() - 1) as u32
                         }
-                        if let Some(first) = batch.regions.first()
-                            && first.is_cuda() != region.is_cuda()
-                        {
-                            return Err(reject(
-                                libc::EINVAL,
-                                i as u32,
-                                format!(
-                                    "entry {i}: one batch targets host regions or CUDA regions, not both"
-                                ),
-                            ));
-                        }
-                        ids.push(e.region);
-                        batch.regions.push(region.clone());
-                        (ids.len() - 1) as u32
-                    }
-                },
+                    };
+                    let r = &batch.regions[at as usize];
+                    let (base, mask) = r.device_addr(0).map_or((0, 0), |d| (d, 15));
+                    cur = Some((e.region, at, r.len(), base, mask));
+                    (at, r.len(), base, mask)
+                }
             };
-            last = Some((e.region, at));
-            let region = &batch.regions[at as usize];
-            let end = e.offset.checked_add(gb).filter(|&end| end <= region.len());
-            if end.is_none() {
+            if e.offset > len || len - e.offset < gb {
                 return Err(reject(
                     libc::EFAULT,
                     i as u32,
                     format!(
-                        "entry {i}: bytes {}..{} lie outside region {} ({} bytes)",
+                        "entry {i}: bytes {}..{} lie outside region {} ({len} bytes)",
                         e.offset,
                         e.offset.saturating_add(gb),
                         e.region,
-                        region.len()
                     ),
                 ));
             }
-            if region.device_addr(e.offset).is_some_and(|a| a % 16 != 0) {
+            if base.wrapping_add(e.offset) & mask != 0 {
                 return Err(reject(
                     libc::EINVAL,
                     i as u32,
@@ -1827,49 +1895,5 @@ impl Session {
             }),
         );
         Ok(Reply::ok(Command::Prefetch, ticket))
-    }
-}
-
-#[cfg(test)]
-mod admit_bench {
-    use super::*;
-
-    #[test]
-    #[ignore]
-    fn admit_bench() {
-        let d = tempfile::tempdir().unwrap();
-        let layout = crate::geometry::GroupLayout::preset("llama-3.1-8b", 1024, 16).unwrap();
-        let c = crate::bench::scratch_cascade(d.path(), layout, 1024).unwrap();
-        let ctl = Control::new(c);
-        let s = ctl.open_session(0, 0);
-        let gb = layout.group_bytes();
-        let path = d.path().join("region");
-        std::fs::File::create(&path)
-            .unwrap()
-            .set_len(4096 * gb)
-            .unwrap();
-        let r = s
-            .register(path.as_os_str().as_encoded_bytes(), 4096 * gb, 0)
-            .unwrap()
-            .value as u32;
-        let entries: Vec<IoEntry> = (0..4096u64)
-            .map(|i| IoEntry {
-                key: wire::RawKey {
-                    layer: 0,
-                    block: i / 16,
-                    head: (i / 2 % 8) as u32,
-                    kind: (i % 2) as u32,
-                },
-                region: r,
-                offset: i * gb,
-            })
-            .collect();
-        for _ in 0..3 {
-            let t = Instant::now();
-            for _ in 0..20000 {
-                std::hint::black_box(s.admit_io(Command::Restore, &entries).unwrap());
-            }
-            eprintln!("admit_io 4096: {:?}", t.elapsed() / 20000);
-        }
     }
 }

@@ -24,6 +24,11 @@ pub const STATE_ENTRY_BYTES: usize = 8;
 /// Most entries one request may carry: 1 Mi entries is 32 MiB of request,
 /// far beyond any batch an engine sends, small enough to bound memory.
 pub const MAX_ENTRIES: u32 = 1 << 20;
+/// RESTORE/STORE `arg0` flag: the `count` entries are not in the request
+/// but in a host region of this fd (id in `arg0`'s upper 32 bits), from
+/// byte `arg1`. A request of any batch size is then a bare header, small
+/// enough for one ioctl(2).
+pub const ENTRIES_IN_REGION: u64 = 1;
 /// Longest REGISTER path.
 pub const MAX_PATH: u32 = 4096;
 /// ioctl(2) command number ('K' = 0x4b, nr 1); the size field of `_IOWR`
@@ -161,13 +166,55 @@ pub struct StateEntry {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request {
     Hello,
-    Register { path: Vec<u8>, len: u64, flags: u64 },
-    Unregister { region: u32 },
+    Register {
+        path: Vec<u8>,
+        len: u64,
+        flags: u64,
+    },
+    Unregister {
+        region: u32,
+    },
     Restore(Vec<IoEntry>),
     Store(Vec<IoEntry>),
+    /// RESTORE with its entries in a region (`ENTRIES_IN_REGION`).
+    RestoreFrom(EntriesAt),
+    /// STORE with its entries in a region.
+    StoreFrom(EntriesAt),
     Query(Vec<RawKey>),
     Prefetch(Vec<RawKey>),
-    Wait { ticket: u64, timeout_ms: u64 },
+    Wait {
+        ticket: u64,
+        timeout_ms: u64,
+    },
+}
+
+/// Where a RESTORE/STORE's entries lie when they are not in the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EntriesAt {
+    pub region: u32,
+    pub offset: u64,
+    pub count: u32,
+}
+
+/// Decodes RESTORE/STORE entries (`IO_ENTRY_BYTES` each; a trailing
+/// partial entry is ignored: callers pass whole entries).
+pub fn decode_io_entries(body: &[u8]) -> Vec<IoEntry> {
+    body.chunks_exact(IO_ENTRY_BYTES)
+        .map(|c| IoEntry {
+            key: decode_key(c),
+            region: u32_at(c, 20),
+            offset: u64_at(c, 24),
+        })
+        .collect()
+}
+
+/// Appends RESTORE/STORE entries in wire form.
+pub fn encode_io_entries(out: &mut Vec<u8>, entries: &[IoEntry]) {
+    for x in entries {
+        encode_key(out, &x.key);
+        out.extend_from_slice(&x.region.to_le_bytes());
+        out.extend_from_slice(&x.offset.to_le_bytes());
+    }
 }
 
 /// Why a request could not be decoded (all EINVAL on the wire).
@@ -198,6 +245,8 @@ pub enum DecodeError {
     Reserved(u32),
     #[error("region id {0} does not fit in 32 bits")]
     RegionId(u64),
+    #[error("unknown {command} flags {flags:#x} (1 = entries in a region)")]
+    Flags { command: &'static str, flags: u64 },
 }
 
 fn u16_at(b: &[u8], at: usize) -> u16 {
@@ -247,6 +296,16 @@ pub fn encode_request(r: &Request) -> Vec<u8> {
         Request::Unregister { region } => (Command::Unregister, 0, *region as u64, 0),
         Request::Restore(e) => (Command::Restore, e.len() as u32, 0, 0),
         Request::Store(e) => (Command::Store, e.len() as u32, 0, 0),
+        Request::RestoreFrom(a) | Request::StoreFrom(a) => (
+            if matches!(r, Request::RestoreFrom(_)) {
+                Command::Restore
+            } else {
+                Command::Store
+            },
+            a.count,
+            ((a.region as u64) << 32) | ENTRIES_IN_REGION,
+            a.offset,
+        ),
         Request::Query(k) => (Command::Query, k.len() as u32, 0, 0),
         Request::Prefetch(k) => (Command::Prefetch, k.len() as u32, 0, 0),
         Request::Wait { ticket, timeout_ms } => (Command::Wait, 0, *ticket, *timeout_ms),
@@ -260,13 +319,7 @@ pub fn encode_request(r: &Request) -> Vec<u8> {
     encode_header(&mut out, REQUEST_MAGIC, &h);
     match r {
         Request::Register { path, .. } => out.extend_from_slice(path),
-        Request::Restore(e) | Request::Store(e) => {
-            for x in e {
-                encode_key(&mut out, &x.key);
-                out.extend_from_slice(&x.region.to_le_bytes());
-                out.extend_from_slice(&x.offset.to_le_bytes());
-            }
-        }
+        Request::Restore(e) | Request::Store(e) => encode_io_entries(&mut out, e),
         Request::Query(k) | Request::Prefetch(k) => {
             for x in k {
                 encode_key(&mut out, x);
@@ -315,7 +368,28 @@ pub fn request_len(b: &[u8]) -> Result<(Header, usize), DecodeError> {
             }
             1
         }
-        Command::Restore | Command::Store => IO_ENTRY_BYTES,
+        Command::Restore | Command::Store => {
+            let flags = h.arg0 & 0xffff_ffff;
+            if flags & !ENTRIES_IN_REGION != 0 {
+                return Err(DecodeError::Flags {
+                    command: cmd.name(),
+                    flags,
+                });
+            }
+            if flags == ENTRIES_IN_REGION {
+                // Entries in a region: a bare header, but the same count limit.
+                if h.count > MAX_ENTRIES {
+                    return Err(DecodeError::TooMany {
+                        what: "entry count",
+                        count: h.count,
+                        max: MAX_ENTRIES,
+                    });
+                }
+                0
+            } else {
+                IO_ENTRY_BYTES
+            }
+        }
         Command::Query | Command::Prefetch => KEY_ENTRY_BYTES,
         _ => 0,
     };
@@ -352,15 +426,20 @@ pub fn decode_request(b: &[u8]) -> Result<Request, DecodeError> {
         Command::Unregister => Request::Unregister {
             region: u32::try_from(h.arg0).map_err(|_| DecodeError::RegionId(h.arg0))?,
         },
+        Command::Restore | Command::Store if h.arg0 & ENTRIES_IN_REGION != 0 => {
+            let at = EntriesAt {
+                region: (h.arg0 >> 32) as u32,
+                offset: h.arg1,
+                count: h.count,
+            };
+            if cmd == Command::Restore {
+                Request::RestoreFrom(at)
+            } else {
+                Request::StoreFrom(at)
+            }
+        }
         Command::Restore | Command::Store => {
-            let e = body
-                .chunks_exact(IO_ENTRY_BYTES)
-                .map(|c| IoEntry {
-                    key: decode_key(c),
-                    region: u32_at(c, 20),
-                    offset: u64_at(c, 24),
-                })
-                .collect();
+            let e = decode_io_entries(body);
             if cmd == Command::Restore {
                 Request::Restore(e)
             } else {
@@ -520,6 +599,20 @@ mod tests {
             )
                 .prop_map(|(path, len, flags)| Request::Register { path, len, flags }),
             any::<u32>().prop_map(|region| Request::Unregister { region }),
+            (any::<u32>(), any::<u64>(), 0..=MAX_ENTRIES, any::<bool>()).prop_map(
+                |(region, offset, count, restore)| {
+                    let at = EntriesAt {
+                        region,
+                        offset,
+                        count,
+                    };
+                    if restore {
+                        Request::RestoreFrom(at)
+                    } else {
+                        Request::StoreFrom(at)
+                    }
+                }
+            ),
             proptest::collection::vec((key_strategy(), any::<u32>(), any::<u64>()), 0..20)
                 .prop_map(|v| {
                     Request::Restore(

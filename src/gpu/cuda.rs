@@ -172,9 +172,10 @@ impl Cuda {
 
 /// The gather kernel, shipped as PTX text (source: kernels/gather.cu).
 const GATHER_PTX: &str = concat!(include_str!("kernels/gather.ptx"), "\0");
-/// Threads per gather block: a 16 KiB group is 1024 16-byte words, four
-/// per thread; 256 keeps enough blocks resident to cover PCIe latency.
+/// Threads per gather block, and 16-byte words each thread copies
+/// (KVFS_UNROLL in kernels/gather.cu): a block copies 16 KiB.
 const GATHER_THREADS: u32 = 256;
+const GATHER_UNROLL: u64 = 4;
 
 fn check(r: sys::CUresult, what: &str) -> Result<(), String> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -363,6 +364,10 @@ impl Cuda {
                 sys::cuMemcpyHtoDAsync_v2(staged.ptr, descs.cast(), 16 * n as usize, stream.0)
             };
             check(r, "cuMemcpyHtoDAsync(descriptors)")?;
+            let words = n as u64 * (bytes / 16);
+            let blocks = words.div_ceil(GATHER_THREADS as u64 * GATHER_UNROLL);
+            let blocks = u32::try_from(blocks)
+                .map_err(|_| format!("{n} groups of {bytes} bytes: too many for one launch"))?;
             let (mut a, mut b, mut c) = (staged.ptr, n, bytes);
             let mut params: [*mut std::ffi::c_void; 3] = [
                 (&mut a as *mut u64).cast(),
@@ -374,7 +379,7 @@ impl Cuda {
             let r = unsafe {
                 sys::cuLaunchKernel(
                     f,
-                    n,
+                    blocks,
                     1,
                     1,
                     GATHER_THREADS,

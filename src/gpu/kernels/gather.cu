@@ -1,25 +1,48 @@
-// kvfs gather kernel: one block per group, 16-byte loads and stores.
+// kvfs gather kernel: copies n groups of `bytes` bytes, each from its own
+// source to its own destination, in 16-byte words.
 // Regenerate gather.ptx with:
 //   nvcc -ptx -arch=compute_80 -O3 -o src/gpu/kernels/gather.ptx src/gpu/kernels/gather.cu
 // (compute_80 PTX is JIT-compiled by the driver for Ampere, Hopper and later.)
+//
+// The words of all groups form one range; each block takes a chunk of
+// KVFS_UNROLL × blockDim.x consecutive words, and each thread issues its
+// KVFS_UNROLL loads before any store, so many reads across PCIe are in
+// flight per thread. Consecutive threads read consecutive words of one
+// group: a warp reads 512 contiguous bytes.
+
+#define KVFS_UNROLL 4
 
 struct Desc {
     unsigned long long src;  // device address of the source (0: skip this entry)
     unsigned long long dst;  // device address of the destination
 };
 
-// Waits for `*ready` to become nonzero is done by the stream (cuStreamWaitValue32),
-// so the descriptors are complete when this runs.
+// Waiting for the descriptors is done by the stream (cuStreamWaitValue32),
+// so they are complete when this runs.
 extern "C" __global__ void kvfs_gather(const Desc* __restrict__ descs, unsigned int n,
                                        unsigned long long bytes) {
-    unsigned int i = blockIdx.x;
-    if (i >= n) return;
-    Desc d = descs[i];
-    if (d.src == 0) return;
-    const uint4* __restrict__ s = reinterpret_cast<const uint4*>(d.src);
-    uint4* __restrict__ t = reinterpret_cast<uint4*>(d.dst);
-    unsigned long long words = bytes / 16;
-    for (unsigned long long w = threadIdx.x; w < words; w += blockDim.x) {
-        t[w] = s[w];
+    const unsigned long long per = bytes / 16;  // words per group
+    const unsigned long long total = per * n;
+    const unsigned long long first =
+        (unsigned long long)blockIdx.x * blockDim.x * KVFS_UNROLL + threadIdx.x;
+    uint4 v[KVFS_UNROLL];
+    uint4* to[KVFS_UNROLL];
+#pragma unroll
+    for (int k = 0; k < KVFS_UNROLL; k++) {
+        to[k] = 0;
+        unsigned long long w = first + (unsigned long long)k * blockDim.x;
+        if (w < total) {
+            unsigned long long g = w / per;
+            unsigned long long o = w - g * per;
+            Desc d = descs[g];
+            if (d.src != 0) {
+                v[k] = reinterpret_cast<const uint4*>(d.src)[o];
+                to[k] = reinterpret_cast<uint4*>(d.dst) + o;
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < KVFS_UNROLL; k++) {
+        if (to[k] != 0) *to[k] = v[k];
     }
 }
