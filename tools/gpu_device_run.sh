@@ -20,9 +20,11 @@ $B mount /mnt/k16 --backing /tmp/b16 --t1 1GiB --layers 8 --blocks 8192 --kv-hea
 $B mount /mnt/k4 --backing /tmp/b4 --t1 256MiB --preset llama-3.1-8b || exit 1
 $B mount /mnt/kg --backing /tmp/bg --t1 8KiB --layers 1 --blocks 4 --kv-heads 1 --head-dim 128 --block-tokens 16 --dtype bf16 || exit 1
 set -o pipefail
-echo "== e2e 16 KiB"; timeout -k 5 100 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --target 0.85 2>&1 | tail -25 && \
-{ echo "== e2e 4 KiB"; timeout -k 5 100 python3 tools/gpu_e2e.py /mnt/k4 --batch 4096 --inflight 4 --rounds 128 --target 0.80 2>&1 | tail -20; } && \
-{ echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 | tail -10; }
+fail=0
+echo "== e2e 16 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --target 0.85 2>&1 | tail -25 || fail=1
+echo "== e2e 4 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k4 --batch 4096 --inflight 4 --rounds 128 --target 0.80 2>&1 | tail -20 || fail=1
+echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 | tail -10 || fail=1
+echo "== GPU checks: $([ $fail = 0 ] && echo all passed || echo SOME FAILED)"
 for m in k16 k4 kg; do timeout -k 2 20 $B umount /mnt/$m; done
 echo "== daemon log"; tail -n 30 /tmp/b16/kvfs.log
 # Whole daemon logs for the caller, where it collects files ($OUT).
