@@ -303,8 +303,8 @@ fn corrupted_backing_byte_is_never_served() {
             k.write(GroupIndex(g), 0, &pattern(g, gb)).unwrap();
         }
         drop(k);
-        // Flip one byte of group 3 on disk.
-        let off = layout.offset(GroupIndex(3)) + 100;
+        // Flip one byte of group 3 on disk (its only copy so far: copy 0).
+        let off = layout.offset(kvfs::tier::copy_index(GroupIndex(3), 0)) + 100;
         let f = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -332,6 +332,76 @@ fn corrupted_backing_byte_is_never_served() {
         let k = open(dir.path(), tier, layout, c);
         k.read(GroupIndex(3), 0, &mut out).unwrap();
         assert_eq!(out, pattern(33, gb));
+    }
+}
+
+/// Flips one byte of copy `copy` of group `g` in the data file.
+fn flip(dir: &Path, layout: &GroupLayout, g: u64, copy: u8) {
+    use std::os::unix::fs::FileExt;
+    let off = layout.offset(kvfs::tier::copy_index(GroupIndex(g), copy)) + 7;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join("data"))
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, off).unwrap();
+    f.write_all_at(&[b[0] ^ 0x10], off).unwrap();
+    f.sync_all().unwrap();
+}
+
+#[test]
+fn a_crash_mid_write_back_leaves_the_synced_copy() {
+    for tier in [TierKind::File, TierKind::Uring] {
+        let layout = small_layout();
+        let gb = layout.group_bytes() as usize;
+        let dir = tempfile::tempdir().unwrap();
+        let c = cfg(2, &layout, PolicyKind::Lru, false);
+        let mut out = vec![0; gb];
+        // A, synced: copy 0 is durable.
+        let k = open(dir.path(), tier, layout, c);
+        k.write(GroupIndex(1), 0, &pattern(100, gb)).unwrap();
+        k.write(GroupIndex(2), 0, &pattern(200, gb)).unwrap();
+        k.sync_all().unwrap();
+        // B, written back by evictions but never synced (copy 1), then a
+        // crash that cut both write-backs short (a flipped byte each).
+        k.write(GroupIndex(1), 0, &pattern(101, gb)).unwrap();
+        k.write(GroupIndex(2), 0, &pattern(201, gb)).unwrap();
+        for g in 3..7 {
+            k.write(GroupIndex(g), 0, &pattern(g, gb)).unwrap();
+        }
+        k.crash();
+        flip(dir.path(), &layout, 1, 1);
+        // Group 2's B survived whole.
+        let k = open(dir.path(), tier, layout, c);
+        k.read(GroupIndex(1), 0, &mut out).unwrap();
+        assert_eq!(out, pattern(100, gb), "the synced A, not a torn B");
+        assert_eq!(k.stats().recovered_reads, 1);
+        k.read(GroupIndex(2), 0, &mut out).unwrap();
+        assert_eq!(out, pattern(201, gb), "a later write that survived");
+        // The next write-back of group 1 must not overwrite A's copy 0
+        // before a sync: crash again with that write-back cut short too.
+        k.write(GroupIndex(1), 0, &pattern(102, gb)).unwrap();
+        for g in 3..7 {
+            k.write(GroupIndex(g), 0, &pattern(g + 10, gb)).unwrap();
+        }
+        k.crash();
+        flip(dir.path(), &layout, 1, 1);
+        let k = open(dir.path(), tier, layout, c);
+        k.read(GroupIndex(1), 0, &mut out).unwrap();
+        assert_eq!(out, pattern(100, gb));
+        // Within one mount a bad newest copy is corruption, not a crash:
+        // it fails rather than serving older bytes.
+        k.write(GroupIndex(2), 0, &pattern(202, gb)).unwrap();
+        for g in 3..7 {
+            k.write(GroupIndex(g), 0, &pattern(g + 20, gb)).unwrap();
+        }
+        // Group 2's durable copy is 0 (the first sync), so 202 went to copy 1.
+        flip(dir.path(), &layout, 2, 1);
+        let e = k.read(GroupIndex(2), 0, &mut out).unwrap_err();
+        assert!(matches!(e, CascadeError::Checksum { .. }), "{e}");
+        assert_eq!(k.stats().recovered_reads, 1, "only group 1's, above");
+        drop(k);
     }
 }
 

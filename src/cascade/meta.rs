@@ -1,12 +1,21 @@
 //! Per-group metadata: 16 bytes a group in one memory-mapped file.
 //!
-//! Record (little-endian, two u64 words): word 0 = state in bits 0..8
-//! (0 never written, 1 written) and the crc32c of the group's bytes in bits
-//! 32..64; word 1 = generation, bumped on every write-back. The file is
-//! sparse and mapped, so opening a 40-million-group table reads nothing; the
-//! kernel pages in only the records touched. Writers of one group's record
-//! are serialised by the cascade (its per-group I/O stripes); readers may
-//! look at any record at any time (atomic words).
+//! Every group has two copies in the data file (A/B, see `tier::COPIES`).
+//! Record (little-endian, two u64 words):
+//! - word 0: state in bits 0..8 (0 never written, 1 written); bit 8 the
+//!   copy holding the newest written-back bytes (`cur`); bit 9 set when a
+//!   copy is known durable (synced), bit 10 which one; bits 16..24 the
+//!   mount epoch (mod 256) of the newest write-back; bits 32..64 the crc32c
+//!   of the newest copy.
+//! - word 1: bits 0..32 the crc32c of the durable copy; bits 32..64 the
+//!   generation (mod 2^32), bumped on every write-back.
+//!
+//! A write-back never overwrites the durable copy, so a crash in the middle
+//! of one leaves the last synced bytes intact (see Cascade::write_back).
+//! The file is sparse and mapped, so opening a 40-million-group table reads
+//! nothing; the kernel pages in only the records touched. Writers of one
+//! group's record are serialised by the cascade (its per-group I/O
+//! stripes); readers may look at any record at any time (atomic words).
 
 use memmap2::{MmapMut, MmapOptions};
 use std::fs::File;
@@ -21,7 +30,17 @@ const STATE_WRITTEN: u64 = 1;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct GroupMeta {
     pub written: bool,
+    /// The copy with the newest written-back bytes.
+    pub cur: u8,
+    /// The copy known durable (synced), if any.
+    pub durable: Option<u8>,
+    /// Mount epoch (mod 256) of the newest write-back.
+    pub epoch: u8,
+    /// crc32c of copy `cur`.
     pub crc: u32,
+    /// crc32c of copy `durable`.
+    pub durable_crc: u32,
+    /// Bumped on every write-back (kept mod 2^32).
     pub generation: u64,
 }
 
@@ -74,15 +93,26 @@ impl MetaTable {
         let w1 = u64::from_le(w[1].load(Ordering::Acquire));
         GroupMeta {
             written: w0 & 0xff == STATE_WRITTEN,
+            cur: ((w0 >> 8) & 1) as u8,
+            durable: (w0 & (1 << 9) != 0).then_some(((w0 >> 10) & 1) as u8),
+            epoch: (w0 >> 16) as u8,
             crc: (w0 >> 32) as u32,
-            generation: w1,
+            durable_crc: w1 as u32,
+            generation: w1 >> 32,
         }
     }
 
     pub fn set(&self, index: u64, m: GroupMeta) {
         let w = self.words(index);
-        let w0 = (m.crc as u64) << 32 | if m.written { STATE_WRITTEN } else { 0 };
-        w[1].store(m.generation.to_le(), Ordering::Release);
+        let mut w0 = (m.crc as u64) << 32 | (m.epoch as u64) << 16 | (m.cur as u64 & 1) << 8;
+        if m.written {
+            w0 |= STATE_WRITTEN;
+        }
+        if let Some(d) = m.durable {
+            w0 |= 1 << 9 | (d as u64 & 1) << 10;
+        }
+        let w1 = (m.generation & 0xffff_ffff) << 32 | m.durable_crc as u64;
+        w[1].store(w1.to_le(), Ordering::Release);
         w[0].store(w0.to_le(), Ordering::Release);
     }
 

@@ -30,7 +30,7 @@ pub use store::{Backing, BackingConfig, StoreError};
 
 use crate::geometry::{GroupIndex, GroupLayout, OutOfRange};
 use crate::gpu::HostBuf;
-use crate::tier::{Tier, TierError, WriteOp};
+use crate::tier::{Tier, TierError, WriteOp, copy_index};
 use parking_lot::{Condvar, Mutex, MutexGuard, RwLock, RwLockWriteGuard};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -198,6 +198,7 @@ struct Counters {
     flushes: AtomicU64,
     flushed_bytes: AtomicU64,
     checksum_failures: AtomicU64,
+    recovered_reads: AtomicU64,
     write_back_failures: AtomicU64,
     t1_read_bytes: AtomicU64,
     t1_write_bytes: AtomicU64,
@@ -216,6 +217,9 @@ pub struct CascadeStats {
     pub flushes: u64,
     pub flushed_bytes: u64,
     pub checksum_failures: u64,
+    /// Backing reads that found the newest copy cut short by a crash and
+    /// served the last synced copy instead.
+    pub recovered_reads: u64,
     pub write_back_failures: u64,
     pub t1_read_bytes: u64,
     pub t1_write_bytes: u64,
@@ -286,6 +290,13 @@ pub struct Cascade {
     sync_lock: Mutex<()>,
     staging: Mutex<Vec<HostBuf>>,
     counters: Counters,
+    /// Groups written back since the last sync, with the generation of that
+    /// write-back: a sync makes their newest copies the durable ones.
+    unsynced: Mutex<HashMap<GroupIndex, u64, BuildHasherDefault<IndexHasher>>>,
+    /// This mount's epoch (see store::next_epoch).
+    epoch: u8,
+    /// Set by `crash`: drop without the final flush.
+    crashed: bool,
     /// The backing directory's flock, released after the final flush.
     store_lock: Option<std::fs::File>,
 }
@@ -343,6 +354,7 @@ impl Cascade {
     pub fn open(backing: &BackingConfig, cfg: CascadeConfig) -> Result<Cascade, anyhow::Error> {
         let b = Backing::open(backing)?;
         let mut c = Cascade::new(b.layout, b.tier, b.meta, cfg)?;
+        c.epoch = b.epoch;
         // The store stays locked for as long as the cascade lives.
         c.store_lock = Some(b.lock);
         Ok(c)
@@ -448,6 +460,9 @@ impl Cascade {
             sync_lock: Mutex::new(()),
             staging: Mutex::new(Vec::new()),
             counters: Counters::default(),
+            unsynced: Mutex::new(HashMap::default()),
+            epoch: 1,
+            crashed: false,
             store_lock: None,
         })
     }
@@ -677,49 +692,100 @@ impl Cascade {
             self.counters.empty_reads.fetch_add(1, Ordering::Relaxed);
             return Ok(Residence::Empty);
         }
-        self.tier.read_one(g, buf)?;
+        self.tier.read_one(copy_index(g, m.cur), buf)?;
         self.counters
             .backing_read_bytes
             .fetch_add(buf.len() as u64, Ordering::Relaxed);
-        let computed = crc32c::crc32c(&buf[..self.layout.group_bytes() as usize]);
-        if computed != m.crc {
-            self.counters
-                .checksum_failures
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(group = %g, "checksum mismatch on backing read");
-            return Err(CascadeError::Checksum {
-                index: g,
-                stored: m.crc,
-                computed,
-            });
+        self.verify_backing(g, &m, buf)
+    }
+
+    /// Checks bytes just read from `g`'s newest copy against its checksum.
+    /// On a mismatch, a newest copy written before this mount (so possibly
+    /// cut short by a crash) gives way to the last synced copy, re-read
+    /// into `buf`; anything else is a checksum error. The caller holds
+    /// `g`'s stripe.
+    fn verify_backing(
+        &self,
+        g: GroupIndex,
+        m: &GroupMeta,
+        buf: &mut [u8],
+    ) -> Result<Residence, CascadeError> {
+        let gb = self.layout.group_bytes() as usize;
+        let computed = crc32c::crc32c(&buf[..gb]);
+        if computed == m.crc {
+            return Ok(Residence::Backing);
         }
-        Ok(Residence::Backing)
+        if let Some(d) = m.durable.filter(|&d| d != m.cur && m.epoch != self.epoch)
+            && self.tier.read_one(copy_index(g, d), buf).is_ok()
+            && crc32c::crc32c(&buf[..gb]) == m.durable_crc
+        {
+            self.counters.recovered_reads.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                group = %g,
+                "the newest copy was cut short (a crash before it was synced); serving the last synced copy"
+            );
+            // From now on that copy is the group's newest.
+            self.meta.set(
+                g.0,
+                GroupMeta {
+                    cur: d,
+                    crc: m.durable_crc,
+                    generation: m.generation + 1,
+                    ..*m
+                },
+            );
+            return Ok(Residence::Backing);
+        }
+        self.counters
+            .checksum_failures
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(group = %g, "checksum mismatch on backing read");
+        Err(CascadeError::Checksum {
+            index: g,
+            stored: m.crc,
+            computed,
+        })
+    }
+
+    /// The copy a write-back of a group with metadata `m` goes to: never
+    /// the durable one, so the last synced bytes survive a crash mid-write.
+    fn target_copy(m: &GroupMeta) -> u8 {
+        match m.durable {
+            Some(d) => 1 - d,
+            None => 0,
+        }
     }
 
     /// Writes `bytes` (a slot) back as `g` and records its checksum.
     /// The caller holds the slot's lock; this takes `g`'s stripe.
     fn write_back(&self, g: GroupIndex, bytes: &[u8]) -> Result<(), CascadeError> {
         let _io = self.stripe(g);
-        if let Err(e) = self.tier.write_one(g, bytes) {
+        let m = self.meta.get(g.0);
+        let target = Self::target_copy(&m);
+        if let Err(e) = self.tier.write_one(copy_index(g, target), bytes) {
             self.counters
                 .write_back_failures
                 .fetch_add(1, Ordering::Relaxed);
             return Err(e.into());
         }
-        self.record_written(g, bytes);
+        self.record_written(g, bytes, target, &m);
         Ok(())
     }
 
-    fn record_written(&self, g: GroupIndex, bytes: &[u8]) {
-        let old = self.meta.get(g.0);
-        self.meta.set(
-            g.0,
-            GroupMeta {
-                written: true,
-                crc: crc32c::crc32c(&bytes[..self.layout.group_bytes() as usize]),
-                generation: old.generation + 1,
-            },
-        );
+    /// Records a write-back of `bytes` to copy `target` of `g` (whose
+    /// metadata was `old`). The caller holds `g`'s stripe.
+    fn record_written(&self, g: GroupIndex, bytes: &[u8], target: u8, old: &GroupMeta) {
+        let new = GroupMeta {
+            written: true,
+            cur: target,
+            durable: old.durable,
+            durable_crc: old.durable_crc,
+            epoch: self.epoch,
+            crc: crc32c::crc32c(&bytes[..self.layout.group_bytes() as usize]),
+            generation: (old.generation + 1) & 0xffff_ffff,
+        };
+        self.meta.set(g.0, new);
+        self.unsynced.lock().insert(g, new.generation);
         self.counters.flushes.fetch_add(1, Ordering::Relaxed);
         self.counters
             .flushed_bytes
@@ -727,6 +793,39 @@ impl Cascade {
         self.counters
             .backing_write_bytes
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    }
+
+    /// After a successful sync of the data file: the newest copies of
+    /// `groups` (those not written back again since) become durable.
+    fn mark_durable(&self, groups: &[(GroupIndex, u64)]) {
+        for &(g, generation) in groups {
+            let _io = self.stripe(g);
+            let m = self.meta.get(g.0);
+            if m.written && m.generation == generation {
+                self.meta.set(
+                    g.0,
+                    GroupMeta {
+                        durable: Some(m.cur),
+                        durable_crc: m.crc,
+                        ..m
+                    },
+                );
+            }
+        }
+    }
+
+    /// Syncs the data file, then marks `taken` (write-backs recorded
+    /// before the sync began) durable; on failure they stay unsynced.
+    fn sync_taken(&self, taken: Vec<(GroupIndex, u64)>) -> Result<(), CascadeError> {
+        if let Err(e) = self.tier.sync() {
+            let mut u = self.unsynced.lock();
+            for (g, generation) in taken {
+                u.entry(g).or_insert(generation);
+            }
+            return Err(e.into());
+        }
+        self.mark_durable(&taken);
+        Ok(())
     }
 
     // ---- slot allocation ---------------------------------------------
@@ -1001,15 +1100,20 @@ impl Cascade {
                 }
                 let bufs = staging.as_mut_slice().chunks_mut(stride);
                 let mut by_k: Vec<Option<&mut [u8]>> = bufs.map(Some).collect();
+                let metas: Vec<GroupMeta> = to_read
+                    .iter()
+                    .map(|&(_, i)| self.meta.get(items[i].0.0))
+                    .collect();
                 let mut ops: Vec<crate::tier::ReadOp<'_>> = to_read
                     .iter()
-                    .map(|&(k, i)| crate::tier::ReadOp {
-                        index: items[i].0,
+                    .zip(&metas)
+                    .map(|(&(k, i), m)| crate::tier::ReadOp {
+                        index: copy_index(items[i].0, m.cur),
                         buf: by_k[k].take().expect("one buffer per miss"),
                     })
                     .collect();
                 let rs = self.tier.read_batch(&mut ops);
-                for ((op, r), &(_, i)) in ops.iter().zip(rs).zip(&to_read) {
+                for (((op, r), &(_, i)), m) in ops.iter_mut().zip(rs).zip(&to_read).zip(&metas) {
                     let g = items[i].0;
                     results[i] = Some(match r {
                         Err(e) => Err(e.into()),
@@ -1017,25 +1121,13 @@ impl Cascade {
                             self.counters
                                 .backing_read_bytes
                                 .fetch_add(stride as u64, Ordering::Relaxed);
-                            let m = self.meta.get(g.0);
-                            let computed =
-                                crc32c::crc32c(&op.buf[..self.layout.group_bytes() as usize]);
-                            if computed != m.crc {
-                                self.counters
-                                    .checksum_failures
-                                    .fetch_add(1, Ordering::Relaxed);
-                                tracing::warn!(group = %g, "checksum mismatch on backing read");
-                                Err(CascadeError::Checksum {
-                                    index: g,
-                                    stored: m.crc,
-                                    computed,
-                                })
-                            } else {
+                            let checked = self.verify_backing(g, m, op.buf);
+                            if checked.is_ok() {
                                 let out = &mut *items[i].1;
                                 out.copy_from_slice(&op.buf[..out.len()]);
                                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                                Ok(Residence::Backing)
                             }
+                            checked
                         }
                     });
                 }
@@ -1208,7 +1300,14 @@ impl Cascade {
             }
         }
         // An evicted group was written back without a sync: sync regardless.
-        self.tier.sync()?;
+        let taken: Vec<(GroupIndex, u64)> = self
+            .unsynced
+            .lock()
+            .remove(&g)
+            .map(|generation| (g, generation))
+            .into_iter()
+            .collect();
+        self.sync_taken(taken)?;
         self.meta.flush_one(g.0).map_err(CascadeError::MetaSync)
     }
 
@@ -1262,19 +1361,22 @@ impl Cascade {
             stripe_ids.sort_unstable();
             stripe_ids.dedup();
             let _io: Vec<_> = stripe_ids.iter().map(|&i| self.stripes[i].lock()).collect();
+            // We hold the stripes: the metadata cannot change under us.
+            let metas: Vec<GroupMeta> = work.iter().map(|&(_, g)| self.meta.get(g.0)).collect();
             let ops: Vec<WriteOp<'_>> = work
                 .iter()
-                .map(|&(s, g)| WriteOp {
-                    index: g,
+                .zip(&metas)
+                .map(|(&(s, g), m)| WriteOp {
+                    index: copy_index(g, Self::target_copy(m)),
                     // SAFETY: we hold s's read lock (guards) until after the batch.
                     buf: unsafe { self.slot_bytes(s) },
                 })
                 .collect();
             let results = self.tier.write_batch(&ops);
-            for ((&(s, g), op), r) in work.iter().zip(&ops).zip(results) {
+            for (((&(s, g), op), r), m) in work.iter().zip(&ops).zip(results).zip(&metas) {
                 match r {
                     Ok(()) => {
-                        self.record_written(g, op.buf);
+                        self.record_written(g, op.buf, Self::target_copy(m), m);
                         self.clear_dirty(s);
                     }
                     Err(e) => {
@@ -1291,7 +1393,10 @@ impl Cascade {
         if let Some(e) = first_err {
             return Err(e);
         }
-        self.tier.sync()?;
+        let taken: Vec<(GroupIndex, u64)> = std::mem::take(&mut *self.unsynced.lock())
+            .into_iter()
+            .collect();
+        self.sync_taken(taken)?;
         self.meta.flush_all().map_err(CascadeError::MetaSync)
     }
 
@@ -1338,6 +1443,7 @@ impl Cascade {
             flushes: c.flushes.load(Ordering::Relaxed),
             flushed_bytes: c.flushed_bytes.load(Ordering::Relaxed),
             checksum_failures: c.checksum_failures.load(Ordering::Relaxed),
+            recovered_reads: c.recovered_reads.load(Ordering::Relaxed),
             write_back_failures: c.write_back_failures.load(Ordering::Relaxed),
             t1_read_bytes: c.t1_read_bytes.load(Ordering::Relaxed),
             t1_write_bytes: c.t1_write_bytes.load(Ordering::Relaxed),
@@ -1351,8 +1457,20 @@ impl Cascade {
     }
 }
 
+impl Cascade {
+    /// Ends the cascade as a crash would: no final write-back or sync
+    /// (crash-consistency tests; the store's lock is released).
+    #[doc(hidden)]
+    pub fn crash(mut self) {
+        self.crashed = true;
+    }
+}
+
 impl Drop for Cascade {
     fn drop(&mut self) {
+        if self.crashed {
+            return;
+        }
         if let Err(e) = self.sync_all() {
             tracing::error!("flush on close failed; dirty groups were lost: {e}");
         }

@@ -68,6 +68,8 @@ pub struct Backing {
     pub tier: Box<dyn Tier>,
     pub meta: MetaTable,
     pub created: bool,
+    /// This opening's mount epoch (mod 256): one more than the last.
+    pub epoch: u8,
     /// Held for the store's life: the flock is released when it closes.
     pub lock: File,
 }
@@ -130,12 +132,13 @@ impl Backing {
                 why: format!("data file unusable: {e}"),
             })?
             .len();
-        if data_len != layout.backing_bytes() {
+        let want = crate::tier::data_bytes(&layout);
+        if data_len != want {
             return Err(StoreError::Damaged {
                 path: data_path,
                 why: format!(
-                    "data file is {data_len} bytes, the geometry needs {}",
-                    layout.backing_bytes()
+                    "data file is {data_len} bytes, the geometry needs {want} ({} copies of each group)",
+                    crate::tier::COPIES
                 ),
             });
         }
@@ -151,14 +154,36 @@ impl Backing {
             })?;
         let tier = open_tier(cfg.tier, &data_path, layout, cfg.queue_depth)
             .map_err(io_at(&data_path, "cannot open the data file"))?;
+        let epoch = next_epoch(dir)?;
         Ok(Backing {
             layout,
             tier,
             meta,
             created,
+            epoch,
             lock,
         })
     }
+}
+
+/// Bumps the store's mount epoch (file `epoch`: one byte) and returns the
+/// new one. Write-backs record the epoch they happened in; a newest copy
+/// that fails its checksum may be replaced by the last synced copy only if
+/// it was written in an earlier epoch, i.e. before a crash could have cut
+/// it short. A missing or unreadable file counts as epoch 0.
+fn next_epoch(dir: &Path) -> Result<u8, StoreError> {
+    let path = dir.join("epoch");
+    let last = fs::read(&path).ok().and_then(|b| b.first().copied()).unwrap_or(0);
+    let epoch = last.wrapping_add(1);
+    let tmp = dir.join("epoch.new");
+    let mut f = File::create(&tmp).map_err(io_at(&tmp, "cannot create"))?;
+    f.write_all(&[epoch]).map_err(io_at(&tmp, "cannot write"))?;
+    f.sync_all().map_err(io_at(&tmp, "cannot sync"))?;
+    fs::rename(&tmp, &path).map_err(io_at(&path, "cannot install"))?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_at(dir, "cannot sync the directory"))?;
+    Ok(epoch)
 }
 
 /// Makes a fresh store's files; the superblock goes last.
@@ -175,7 +200,7 @@ fn create(dir: &Path, layout: &GroupLayout) -> Result<(), StoreError> {
         f.set_len(len).map_err(io_at(&p, "cannot size"))?;
         f.sync_all().map_err(io_at(&p, "cannot sync"))
     };
-    sized("data", layout.backing_bytes())?;
+    sized("data", crate::tier::data_bytes(layout))?;
     sized("meta", layout.group_count() * META_RECORD_BYTES)?;
     let tmp = dir.join("superblock.new");
     let sb = encode_superblock(layout);

@@ -10,7 +10,8 @@ use super::{Dtype, GroupLayout};
 pub const SUPERBLOCK_BYTES: usize = 4096;
 const MAGIC: &[u8; 8] = b"KVFSSB\0\x01";
 /// Bumped on any change to the on-disk format (superblock, data or metadata).
-pub const FORMAT_VERSION: u32 = 1;
+/// 2: two copies of every group in the data file (crash-safe write-back).
+pub const FORMAT_VERSION: u32 = 2;
 /// Bytes covered by the checksum: magic..head_dim..dtype, then the crc follows.
 const BODY: usize = 48;
 
@@ -24,7 +25,9 @@ pub enum SuperblockError {
         "superblock checksum mismatch (stored {stored:08x}, computed {computed:08x}): the superblock is damaged"
     )]
     Checksum { stored: u32, computed: u32 },
-    #[error("store format version {0} is not supported (this kvfs reads version {FORMAT_VERSION})")]
+    #[error(
+        "store format version {0} is not supported (this kvfs reads version {FORMAT_VERSION}); the store was made by another kvfs release: move its directory aside to start a new one"
+    )]
     Version(u32),
     #[error("superblock holds an invalid geometry: {0}")]
     Geometry(String),

@@ -141,6 +141,22 @@ impl<T: Tier + ?Sized> Tier for std::sync::Arc<T> {
     }
 }
 
+/// Copies of each group in the data file: a write-back goes to the copy
+/// that does not hold the group's last synced bytes, so a crash mid-write
+/// never destroys them (see cascade::meta). Copy `k` of group `g` is the
+/// tier's index `g × COPIES + k`.
+pub const COPIES: u64 = 2;
+
+/// The tier index of copy `copy` of group `g`.
+pub fn copy_index(g: GroupIndex, copy: u8) -> GroupIndex {
+    GroupIndex(g.0 * COPIES + copy as u64)
+}
+
+/// Bytes of the data file: every copy of every group, one stride each.
+pub fn data_bytes(layout: &GroupLayout) -> u64 {
+    layout.backing_bytes() * COPIES
+}
+
 /// Checks an op's index and buffer against the layout; every tier calls it
 /// before touching the backing so a bad request never reaches the kernel.
 pub(crate) fn check_op(
@@ -148,11 +164,9 @@ pub(crate) fn check_op(
     index: GroupIndex,
     buf: &[u8],
 ) -> Result<(), TierError> {
-    if index.0 >= layout.group_count() {
-        return Err(TierError::OutOfRange {
-            index,
-            count: layout.group_count(),
-        });
+    let count = layout.group_count() * COPIES;
+    if index.0 >= count {
+        return Err(TierError::OutOfRange { index, count });
     }
     let want = layout.stride() as usize;
     let addr = buf.as_ptr() as usize;
@@ -259,7 +273,7 @@ mod tests {
         // Out of range and misaligned buffers are refused, not sent.
         let mut one = HostBuf::alloc(stride + 4096).unwrap();
         let e = tier
-            .read_one(GroupIndex(n as u64), &mut one.as_mut_slice()[..stride])
+            .read_one(GroupIndex(n as u64 * COPIES), &mut one.as_mut_slice()[..stride])
             .unwrap_err();
         assert!(matches!(e, TierError::OutOfRange { .. }), "{e}");
         let e = tier
