@@ -116,6 +116,25 @@ enum BenchCmd {
         #[arg(long, default_value_t = 2)]
         rounds: u32,
     },
+    /// Crash cycles: writers write and fsync groups through a real mount, the
+    /// daemon is killed with SIGKILL at a random moment, the mount is made
+    /// again over the dead one and every group is checked: fsync'd groups
+    /// hold their last fsync'd bytes or later ones, and no group holds bytes
+    /// never written to it. Exits 1 on any violation. Needs root and /dev/fuse.
+    Crash {
+        /// Scratch directory for the backing store and the mount point.
+        #[arg(long, default_value = "/var/tmp")]
+        dir: PathBuf,
+        /// Crash cycles to run.
+        #[arg(long, default_value_t = 10)]
+        cycles: u32,
+        /// Writer threads.
+        #[arg(long, default_value_t = 4)]
+        writers: usize,
+        /// Seed of the kill times and the writers' choices [default: from the clock].
+        #[arg(long)]
+        seed: Option<u64>,
+    },
     /// Random group reads through a backing tier, next to fio on the same file
     /// (same block size, queue depth and O_DIRECT setting).
     Backing {
@@ -209,6 +228,25 @@ fn run(cli: Cli) -> Result<()> {
                             .map(|n| n.get())
                             .unwrap_or(2)
                     }),
+                })?;
+            }
+            BenchCmd::Crash {
+                dir,
+                cycles,
+                writers,
+                seed,
+            } => {
+                let seed = seed.unwrap_or_else(|| {
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_nanos() as u64)
+                        .unwrap_or(1)
+                });
+                kvfs::bench::crash::run(&kvfs::bench::crash::CrashBench {
+                    dir,
+                    cycles,
+                    writers: writers.max(1),
+                    seed,
                 })?;
             }
             BenchCmd::Backing {

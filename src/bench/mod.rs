@@ -5,6 +5,7 @@
 //! file, same block size, same queue depth.
 
 pub mod backing;
+pub mod crash;
 pub mod fuse;
 pub mod restore;
 

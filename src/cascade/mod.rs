@@ -719,7 +719,9 @@ impl Cascade {
             && self.tier.read_one(copy_index(g, d), buf).is_ok()
             && crc32c::crc32c(&buf[..gb]) == m.durable_crc
         {
-            self.counters.recovered_reads.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .recovered_reads
+                .fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
                 group = %g,
                 "the newest copy was cut short (a crash before it was synced); serving the last synced copy"

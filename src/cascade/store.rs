@@ -173,7 +173,10 @@ impl Backing {
 /// it short. A missing or unreadable file counts as epoch 0.
 fn next_epoch(dir: &Path) -> Result<u8, StoreError> {
     let path = dir.join("epoch");
-    let last = fs::read(&path).ok().and_then(|b| b.first().copied()).unwrap_or(0);
+    let last = fs::read(&path)
+        .ok()
+        .and_then(|b| b.first().copied())
+        .unwrap_or(0);
     let epoch = last.wrapping_add(1);
     let tmp = dir.join("epoch.new");
     let mut f = File::create(&tmp).map_err(io_at(&tmp, "cannot create"))?;

@@ -404,6 +404,12 @@ impl KvFs {
             s.checksum_failures,
         );
         e.single(
+            stats::RECOVERED_READS,
+            "counter",
+            "Backing reads that found a group's newest copy cut short by a crash and served its last synced copy.",
+            s.recovered_reads,
+        );
+        e.single(
             stats::WRITE_BACK_FAILURES,
             "counter",
             "Write-backs the backing failed.",

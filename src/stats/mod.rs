@@ -17,6 +17,7 @@ pub const EVICTIONS: &str = "kvfs_evictions_total";
 pub const FLUSHES: &str = "kvfs_flushes_total";
 pub const FLUSHED_BYTES: &str = "kvfs_flushed_bytes_total";
 pub const CHECKSUM_FAILURES: &str = "kvfs_checksum_failures_total";
+pub const RECOVERED_READS: &str = "kvfs_recovered_reads_total";
 pub const WRITE_BACK_FAILURES: &str = "kvfs_write_back_failures_total";
 pub const T1_SLOTS_USED: &str = "kvfs_t1_slots_used";
 pub const T1_SLOTS_TOTAL: &str = "kvfs_t1_slots_total";

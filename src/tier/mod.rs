@@ -273,7 +273,10 @@ mod tests {
         // Out of range and misaligned buffers are refused, not sent.
         let mut one = HostBuf::alloc(stride + 4096).unwrap();
         let e = tier
-            .read_one(GroupIndex(n as u64 * COPIES), &mut one.as_mut_slice()[..stride])
+            .read_one(
+                GroupIndex(n as u64 * COPIES),
+                &mut one.as_mut_slice()[..stride],
+            )
             .unwrap_err();
         assert!(matches!(e, TierError::OutOfRange { .. }), "{e}");
         let e = tier
