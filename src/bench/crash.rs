@@ -156,7 +156,7 @@ fn writer(
     let mine: Vec<u64> = (0..layout.group_count())
         .filter(|g| *g as usize % n == id)
         .collect();
-    let mut r = Rng::new(seed ^ (id as u64 + 1) * 0x51);
+    let mut r = Rng::new(seed ^ ((id as u64 + 1) * 0x51));
     while !stop.load(Ordering::Relaxed) {
         let g = mine[(r.next_u64() % mine.len() as u64) as usize];
         // Counted before the write: a write the daemon took but never
@@ -173,7 +173,7 @@ fn writer(
             return;
         }
         counts.0.fetch_add(1, Ordering::Relaxed);
-        if r.next_u64() % 4 == 0 {
+        if r.next_u64().is_multiple_of(4) {
             if f.sync_all().is_err() {
                 return;
             }
