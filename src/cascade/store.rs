@@ -147,6 +147,10 @@ impl Backing {
             .write(true)
             .open(&meta_path)
             .map_err(io_at(&meta_path, "cannot open the metadata file"))?;
+        reserve(&meta_file, layout.group_count() * META_RECORD_BYTES).map_err(io_at(
+            &meta_path,
+            "cannot reserve the metadata file's space",
+        ))?;
         let meta =
             MetaTable::open(&meta_file, layout.group_count()).map_err(|e| StoreError::Damaged {
                 path: meta_path.clone(),
@@ -164,6 +168,27 @@ impl Backing {
             lock,
         })
     }
+}
+
+/// Gives the metadata file its blocks up front (fallocate; unwritten
+/// extents, so nothing is zeroed): the table is written through a shared
+/// mapping, and a store to a page of a hole on a full disk is a SIGBUS,
+/// not an error anyone could return. A filesystem without fallocate is
+/// let be (logged): its holes are the risk it carries.
+fn reserve(f: &File, len: u64) -> io::Result<()> {
+    // SAFETY: fallocate on an fd we own, within its length.
+    let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, 0, len as libc::off_t) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+        tracing::warn!(
+            "the backing filesystem has no fallocate: metadata pages are allocated as they are first written, and a full disk then stops the daemon"
+        );
+        return Ok(());
+    }
+    Err(e)
 }
 
 /// Bumps the store's mount epoch (file `epoch`: one byte) and returns the
