@@ -135,6 +135,29 @@ enum BenchCmd {
         #[arg(long)]
         seed: Option<u64>,
     },
+    /// A mixed load with every byte checked: workers (each with its own
+    /// groups) mix FUSE writes (whole and partial), reads and fsyncs with
+    /// control-file STOREs and RESTOREs over a T1 much smaller than the
+    /// working set. Prints operations, errors (must be 0) and the daemon's
+    /// memory at the start and end (must stay within T1 + 64 MiB); exits 1
+    /// otherwise. Needs root and /dev/fuse.
+    Soak {
+        /// Seconds to run.
+        #[arg(long, default_value_t = 60.0)]
+        seconds: f64,
+        /// Worker threads.
+        #[arg(long, default_value_t = 16)]
+        workers: usize,
+        /// Scratch directory for the backing store and the mount point.
+        #[arg(long, default_value = "/var/tmp")]
+        dir: PathBuf,
+        /// Directory for the workers' region files (tmpfs).
+        #[arg(long, default_value = "/dev/shm")]
+        shm: PathBuf,
+        /// Seed of the workers' choices [default: from the clock].
+        #[arg(long)]
+        seed: Option<u64>,
+    },
     /// Random group reads through a backing tier, next to fio on the same file
     /// (same block size, queue depth and O_DIRECT setting).
     Backing {
@@ -230,18 +253,28 @@ fn run(cli: Cli) -> Result<()> {
                     }),
                 })?;
             }
+            BenchCmd::Soak {
+                seconds,
+                workers,
+                dir,
+                shm,
+                seed,
+            } => {
+                kvfs::bench::soak::run(&kvfs::bench::soak::SoakBench {
+                    dir,
+                    shm,
+                    seconds,
+                    workers: workers.max(1),
+                    seed: seed.unwrap_or_else(clock_seed),
+                })?;
+            }
             BenchCmd::Crash {
                 dir,
                 cycles,
                 writers,
                 seed,
             } => {
-                let seed = seed.unwrap_or_else(|| {
-                    std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map(|d| d.as_nanos() as u64)
-                        .unwrap_or(1)
-                });
+                let seed = seed.unwrap_or_else(clock_seed);
                 kvfs::bench::crash::run(&kvfs::bench::crash::CrashBench {
                     dir,
                     cycles,
@@ -271,6 +304,14 @@ fn run(cli: Cli) -> Result<()> {
         },
     }
     Ok(())
+}
+
+/// A seed for benches that were not given one.
+fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
 }
 
 fn ctl(mount: &std::path::Path, what: CtlCmd) -> Result<()> {
