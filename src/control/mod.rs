@@ -567,12 +567,15 @@ impl Control {
     }
 
     /// Opens a session for a client with these credentials.
-    pub fn open_session(self: &Arc<Control>, uid: u32, gid: u32) -> Arc<Session> {
+    /// `may_write`: whether the client may change groups (STORE); the
+    /// filesystem grants it to the mount's owner and root.
+    pub fn open_session(self: &Arc<Control>, uid: u32, gid: u32, may_write: bool) -> Arc<Session> {
         self.stats.sessions.fetch_add(1, Ordering::Relaxed);
         Arc::new(Session {
             ctl: self.clone(),
             uid,
             gid,
+            may_write,
             st: Mutex::new(SessionState::default()),
             gpu_stream: Mutex::new(None),
         })
@@ -776,6 +779,7 @@ pub struct Session {
     ctl: Arc<Control>,
     uid: u32,
     gid: u32,
+    may_write: bool,
     st: Mutex<SessionState>,
     /// This fd's stream for GPU restores of T1-resident batches: their
     /// copies run in submission order, so the oldest ticket finishes first
@@ -1559,6 +1563,16 @@ impl Session {
         entries: &[IoEntry],
     ) -> Result<Reply, Rejection> {
         let admitted = Instant::now();
+        if cmd == Command::Store && !self.may_write {
+            return Err(reject(
+                libc::EACCES,
+                NO_ENTRY,
+                format!(
+                    "uid {} may not change groups of this mount (only its owner may STORE, as only its owner may write the group files)",
+                    self.uid
+                ),
+            ));
+        }
         let work = self.admit_io(cmd, entries)?;
         if work.is_cuda() {
             return match cmd {

@@ -134,6 +134,9 @@ pub struct KvFs {
     inodes: Inodes,
     uid: u32,
     gid: u32,
+    /// Mode of `.kvfs/control`: owner-only, or open to all with
+    /// --allow-other (each fd is its own session; see control::Session).
+    control_mode: u16,
     born: SystemTime,
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
@@ -150,6 +153,7 @@ impl KvFs {
             inodes,
             uid,
             gid,
+            control_mode: 0o600,
             born: SystemTime::now(),
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
@@ -166,10 +170,13 @@ impl KvFs {
     /// served by `run`. Groups changed through the control file have their
     /// kernel-cached pages dropped through the session's notifier.
     pub fn mount(
-        self,
+        mut self,
         mountpoint: &std::path::Path,
         opts: &MountOptions,
     ) -> std::io::Result<Mounted> {
+        if opts.allow_other {
+            self.control_mode = 0o666;
+        }
         let mut config = fuser::Config::default();
         config.mount_options = vec![
             fuser::MountOption::FSName(opts.source.clone()),
@@ -207,7 +214,7 @@ impl KvFs {
             ),
             Node::Stats | Node::Layout | Node::Pid => (FileType::RegularFile, 0o444, 0, 1),
             Node::Flush => (FileType::RegularFile, 0o200, 0, 1),
-            Node::Control => (FileType::RegularFile, 0o600, 0, 1),
+            Node::Control => (FileType::RegularFile, self.control_mode, 0, 1),
             Node::Resident(g) => (
                 FileType::Symlink,
                 0o777,
@@ -654,7 +661,10 @@ impl Filesystem for KvFs {
                 reply.opened(self.new_handle(Handle::Group), FopenFlags::FOPEN_DIRECT_IO)
             }
             Some(Node::Control) => {
-                let s = self.control.open_session(req.uid(), req.gid());
+                // Group files are the owner's to write (0644): through the
+                // control file, too, only the owner (or root) may STORE.
+                let may_write = req.uid() == self.uid || req.uid() == 0;
+                let s = self.control.open_session(req.uid(), req.gid(), may_write);
                 let fh = self.new_handle(Handle::Control(s));
                 reply.opened(
                     fh,

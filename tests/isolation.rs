@@ -1,0 +1,213 @@
+//! Users kept apart on one mount: a second user (made with useradd here)
+//! against a mount with --allow-other. Root, /dev/fuse and useradd needed.
+
+mod common;
+use common::*;
+
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+const USER: &str = "kvfs-iso";
+
+/// The second user's uid and gid (made on first use).
+fn other_user() -> Option<(u32, u32)> {
+    let id = |flag: &str| -> Option<u32> {
+        let out = Command::new("id").arg(flag).arg(USER).output().ok()?;
+        String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+    };
+    if id("-u").is_none() {
+        let ok = Command::new("useradd")
+            .args([
+                "--system",
+                "--no-create-home",
+                "--shell",
+                "/usr/sbin/nologin",
+                USER,
+            ])
+            .status()
+            .ok()?
+            .success();
+        if !ok {
+            return None;
+        }
+    }
+    Some((id("-u")?, id("-g")?))
+}
+
+/// Runs Python as the second user with the client library on its path;
+/// returns its stdout (one "name=value" line per check).
+fn as_other(uid: u32, gid: u32, libdir: &std::path::Path, script: &str) -> String {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .env("PYTHONPATH", libdir)
+        .env_remove("HOME")
+        .current_dir("/")
+        .as_user(uid, gid)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "python as {USER} failed: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+trait AsUser {
+    fn as_user(&mut self, uid: u32, gid: u32) -> &mut Self;
+}
+
+impl AsUser for Command {
+    /// Runs the child as uid:gid with no supplementary groups.
+    fn as_user(&mut self, uid: u32, gid: u32) -> &mut Self {
+        // SAFETY: only async-signal-safe calls (setgroups, setgid, setuid)
+        // between fork and exec.
+        unsafe {
+            self.pre_exec(move || {
+                let groups = [gid];
+                if libc::setgroups(1, groups.as_ptr()) != 0
+                    || libc::setgid(gid) != 0
+                    || libc::setuid(uid) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            })
+        }
+    }
+}
+
+fn field<'a>(text: &'a str, name: &str) -> &'a str {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}=")))
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+}
+
+#[test]
+fn a_second_user_uses_only_its_own_regions_and_may_not_store() {
+    if !can_mount() {
+        return;
+    }
+    let Some((uid, gid)) = other_user() else {
+        eprintln!("skipped: cannot make the user {USER} (useradd)");
+        return;
+    };
+    let m = Mount::new(&["--allow-other"]);
+    // The second user must be able to reach the mount point.
+    fs::set_permissions(m.mp.parent().unwrap(), fs::Permissions::from_mode(0o755)).ok();
+    let ctl = m.p(".kvfs/control");
+    assert_eq!(fs::metadata(&ctl).unwrap().mode() & 0o777, 0o666);
+    // Root writes a group through the filesystem.
+    fs::write(m.p("L0/B1/H0/K"), pattern(41, GB)).unwrap();
+    // The client library, readable by anyone.
+    let lib = tempfile::tempdir().unwrap();
+    fs::set_permissions(lib.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    fs::copy(
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tools/kvfs_client.py"),
+        lib.path().join("kvfs_client.py"),
+    )
+    .unwrap();
+    // Region files: root's (0600) and the second user's own.
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    fs::set_permissions(shm.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let roots = shm.path().join("root-region");
+    fs::write(&roots, vec![0u8; GB]).unwrap();
+    fs::set_permissions(&roots, fs::Permissions::from_mode(0o600)).unwrap();
+    let mine = shm.path().join("user-region");
+    fs::write(&mine, vec![0u8; GB]).unwrap();
+    std::os::unix::fs::chown(&mine, Some(uid), Some(gid)).unwrap();
+    fs::set_permissions(&mine, fs::Permissions::from_mode(0o600)).unwrap();
+    // Root holds a region on its own fd.
+    let root = kvfs::client::Client::open(&m.mp).unwrap();
+    // Ids are per fd: root's third region's id names nothing on the
+    // second user's fd, which registers one region.
+    root.register_host_region(&roots, GB as u64).unwrap();
+    root.register_host_region(&roots, GB as u64).unwrap();
+    let root_region = root.register_host_region(&roots, GB as u64).unwrap();
+    assert!(root_region > 1);
+    let script = format!(
+        r#"
+import errno, os
+from kvfs_client import Kvfs, KvfsError
+def code(f):
+    try:
+        f()
+        return "ok"
+    except KvfsError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+with Kvfs("{mp}") as kv:
+    print("register_roots=" + code(lambda: kv.register_host_region("{roots}", {gb})))
+    r = kv.register_host_region("{mine}", {gb})
+    print("use_roots_region=" + code(lambda: kv.restore([(0, 1, 0, "K", {root_region}, 0)])))
+    print("restore_own=" + code(lambda: kv.restore([(0, 1, 0, "K", r, 0)])))
+    with open("{mine}", "rb") as f:
+        got = f.read()
+    with open("{mp}/L0/B1/H0/K", "rb") as f:
+        print("restored_matches=" + str(got == f.read()))
+    print("store=" + code(lambda: kv.store([(0, 2, 0, "K", r, 0)])))
+    print("query=" + code(lambda: kv.query([(0, 1, 0, "K")])))
+def write_group():
+    with open("{mp}/L0/B2/H0/K", "r+b") as f:
+        f.write(b"x")
+print("fuse_write=" + code(write_group))
+"#,
+        mp = m.mp.display(),
+        roots = roots.display(),
+        mine = mine.display(),
+        gb = GB,
+    );
+    let text = as_other(uid, gid, lib.path(), &script);
+    assert_eq!(field(&text, "register_roots"), "EACCES", "{text}");
+    assert_eq!(field(&text, "use_roots_region"), "EBADF", "{text}");
+    assert_eq!(field(&text, "restore_own"), "ok", "{text}");
+    assert_eq!(field(&text, "restored_matches"), "True", "{text}");
+    assert_eq!(field(&text, "store"), "EACCES", "{text}");
+    assert_eq!(field(&text, "query"), "ok", "{text}");
+    assert_eq!(field(&text, "fuse_write"), "EACCES", "{text}");
+    // Root's own session still works, and its region was never touched.
+    let t = root
+        .restore(&[(
+            kvfs::geometry::GroupKey::new(0, 1, 0, kvfs::geometry::Kind::K),
+            root_region,
+            0,
+        )])
+        .unwrap();
+    root.wait(t, None).unwrap();
+    assert_eq!(fs::read(&roots).unwrap(), pattern(41, GB));
+    assert_eq!(
+        fs::read(m.p("L0/B2/H0/K")).unwrap(),
+        vec![0u8; GB],
+        "the refused STORE changed nothing"
+    );
+}
+
+#[test]
+fn without_allow_other_a_second_user_cannot_reach_the_mount() {
+    if !can_mount() {
+        return;
+    }
+    let Some((uid, gid)) = other_user() else {
+        eprintln!("skipped: cannot make the user {USER} (useradd)");
+        return;
+    };
+    let m = Mount::new(&[]);
+    fs::set_permissions(m.mp.parent().unwrap(), fs::Permissions::from_mode(0o755)).ok();
+    let ctl = m.p(".kvfs/control");
+    assert_eq!(fs::metadata(&ctl).unwrap().mode() & 0o777, 0o600);
+    let out = Command::new("cat")
+        .arg(m.p("L0/B0/H0/K"))
+        .current_dir("/")
+        .as_user(uid, gid)
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "another user read a group of an owner-only mount"
+    );
+}
