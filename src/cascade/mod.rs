@@ -238,6 +238,10 @@ pub struct CascadeStats {
 #[derive(Default)]
 struct IndexHasher(u64);
 
+/// Write-backs awaiting a sync before one is forced (see bound_unsynced):
+/// about 40 MB of bookkeeping at most.
+const UNSYNCED_LIMIT: usize = 1 << 20;
+
 impl Hasher for IndexHasher {
     fn finish(&self) -> u64 {
         self.0
@@ -1243,6 +1247,28 @@ impl Cascade {
     /// dirty in T1 until evicted or flushed). A partial write of a group not
     /// in T1 reads the rest of it first.
     pub fn write(&self, g: GroupIndex, offset: u64, data: &[u8]) -> Result<(), CascadeError> {
+        let r = self.write_inner(g, offset, data);
+        self.bound_unsynced();
+        r
+    }
+
+    /// Keeps the list of write-backs awaiting a sync bounded: past
+    /// UNSYNCED_LIMIT groups (a long run of evictions with no fsync or
+    /// sync), the data file is synced and they become durable. Called with
+    /// no lock held.
+    fn bound_unsynced(&self) {
+        if self.unsynced.lock().len() <= UNSYNCED_LIMIT {
+            return;
+        }
+        let taken: Vec<(GroupIndex, u64)> = std::mem::take(&mut *self.unsynced.lock())
+            .into_iter()
+            .collect();
+        if let Err(e) = self.sync_taken(taken) {
+            tracing::warn!("a background sync of write-backs failed: {e}; they stay unsynced");
+        }
+    }
+
+    fn write_inner(&self, g: GroupIndex, offset: u64, data: &[u8]) -> Result<(), CascadeError> {
         self.check_index(g)?;
         self.check_range(offset, data.len())?;
         let off = offset as usize;
