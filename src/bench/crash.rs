@@ -83,18 +83,7 @@ fn group_file(mp: &Path, layout: &GroupLayout, g: u64) -> PathBuf {
 fn mount(exe: &Path, mp: &Path, backing: &Path) -> anyhow::Result<Duration> {
     let l = layout();
     let t = Instant::now();
-    let mut child = Command::new(exe)
-        .arg("mount")
-        .arg(mp)
-        .arg("--backing")
-        .arg(backing)
-        .args(["--t1", T1, "--log", "warn"])
-        .args(["--layers", &l.layers.to_string()])
-        .args(["--blocks", &l.blocks.to_string()])
-        .args(["--kv-heads", &l.kv_heads.to_string()])
-        .args(["--head-dim", &l.head_dim.to_string()])
-        .args(["--block-tokens", &l.block_tokens.to_string()])
-        .args(["--dtype", "bf16"])
+    let mut child = super::mount_command(exe, mp, backing, T1, &l)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -118,11 +107,6 @@ fn mount(exe: &Path, mp: &Path, backing: &Path) -> anyhow::Result<Duration> {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-}
-
-fn daemon_pid(mp: &Path) -> anyhow::Result<i32> {
-    let s = fs::read_to_string(mp.join(".kvfs/pid")).context("cannot read .kvfs/pid")?;
-    s.trim().parse().context("bad .kvfs/pid")
 }
 
 fn kill_and_wait(pid: i32) -> anyhow::Result<()> {
@@ -280,7 +264,7 @@ pub fn run(b: &CrashBench) -> anyhow::Result<Vec<CycleReport>> {
     // The mount that verifies a cycle is the one the next cycle crashes.
     let mut took = mount(&exe, &mp, &backing)?;
     for cycle in 1..=b.cycles {
-        let pid = daemon_pid(&mp)?;
+        let pid = super::daemon_pid(&mp)?;
         let stop = Arc::new(AtomicBool::new(false));
         let counts = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
         let cycle_seed = rng.next_u64();

@@ -75,3 +75,34 @@ pub fn thousands(n: u64) -> String {
     }
     out
 }
+
+/// `kvfs mount MP --backing B --t1 T1` with `layout`'s geometry, as the
+/// benches that need a daemon of their own (crash, soak) start it.
+pub fn mount_command(
+    exe: &std::path::Path,
+    mp: &std::path::Path,
+    backing: &std::path::Path,
+    t1: &str,
+    layout: &crate::geometry::GroupLayout,
+) -> std::process::Command {
+    let mut c = std::process::Command::new(exe);
+    c.arg("mount")
+        .arg(mp)
+        .arg("--backing")
+        .arg(backing)
+        .args(["--t1", t1, "--log", "warn"])
+        .args(["--layers", &layout.layers.to_string()])
+        .args(["--blocks", &layout.blocks.to_string()])
+        .args(["--kv-heads", &layout.kv_heads.to_string()])
+        .args(["--head-dim", &layout.head_dim.to_string()])
+        .args(["--block-tokens", &layout.block_tokens.to_string()])
+        .args(["--dtype", &layout.dtype.to_string()]);
+    c
+}
+
+/// The pid of the daemon serving `mp` (from `.kvfs/pid`).
+pub fn daemon_pid(mp: &std::path::Path) -> anyhow::Result<i32> {
+    use anyhow::Context;
+    let s = std::fs::read_to_string(mp.join(".kvfs/pid")).context("cannot read .kvfs/pid")?;
+    s.trim().parse().context("bad .kvfs/pid")
+}

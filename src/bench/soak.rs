@@ -261,18 +261,7 @@ impl Worker {
 
 fn mount(exe: &Path, mp: &Path, backing: &Path) -> anyhow::Result<()> {
     let l = layout();
-    let out = Command::new(exe)
-        .arg("mount")
-        .arg(mp)
-        .arg("--backing")
-        .arg(backing)
-        .args(["--t1", &T1_BYTES.to_string(), "--log", "warn"])
-        .args(["--layers", &l.layers.to_string()])
-        .args(["--blocks", &l.blocks.to_string()])
-        .args(["--kv-heads", &l.kv_heads.to_string()])
-        .args(["--head-dim", &l.head_dim.to_string()])
-        .args(["--block-tokens", &l.block_tokens.to_string()])
-        .args(["--dtype", "bf16"])
+    let out = super::mount_command(exe, mp, backing, &T1_BYTES.to_string(), &l)
         .output()
         .context("cannot start kvfs mount")?;
     if !out.status.success() {
@@ -295,11 +284,7 @@ pub fn run(b: &SoakBench) -> anyhow::Result<()> {
     let backing = scratch.path().join("store");
     fs::create_dir_all(&mp)?;
     mount(&exe, &mp, &backing)?;
-    let pid: i32 = fs::read_to_string(mp.join(".kvfs/pid"))
-        .context("cannot read .kvfs/pid")?
-        .trim()
-        .parse()
-        .context("bad .kvfs/pid")?;
+    let pid = super::daemon_pid(&mp)?;
     let l = layout();
     let gb = l.group_bytes() as usize;
     println!(
