@@ -26,6 +26,7 @@ fn cfg(slots: u64, layout: &GroupLayout, policy: PolicyKind, promote: bool) -> C
         // Two-slot chunks: most T1s here arrive in several pieces, so the
         // background allocation and adoption run under every test.
         t1_chunk_bytes: 2 * layout.stride(),
+        ..CascadeConfig::default()
     }
 }
 
@@ -402,6 +403,51 @@ fn a_crash_mid_write_back_leaves_the_synced_copy() {
         assert!(matches!(e, CascadeError::Checksum { .. }), "{e}");
         assert_eq!(k.stats().recovered_reads, 1, "only group 1's, above");
         drop(k);
+    }
+}
+
+#[test]
+fn a_long_run_of_write_backs_with_no_sync_is_synced() {
+    // With a limit of 3 unsynced write-backs, evictions alone make group
+    // 1's second write (B) durable: after a crash, its copy is the synced
+    // one, so a damaged B fails (EIO) rather than falling back to A. With
+    // the default limit the same run recovers A: the forced sync is what
+    // differs.
+    let layout = small_layout();
+    let gb = layout.group_bytes() as usize;
+    for (limit, forced) in [(3, true), (kvfs::cascade::DEFAULT_UNSYNCED_LIMIT, false)] {
+        let dir = tempfile::tempdir().unwrap();
+        let c = CascadeConfig {
+            unsynced_limit: limit,
+            ..cfg(2, &layout, PolicyKind::Lru, false)
+        };
+        let mut out = vec![0; gb];
+        let k = open(dir.path(), TierKind::File, layout, c);
+        k.write(GroupIndex(1), 0, &pattern(100, gb)).unwrap();
+        k.sync_all().unwrap();
+        k.write(GroupIndex(1), 0, &pattern(101, gb)).unwrap();
+        for g in 3..9 {
+            k.write(GroupIndex(g), 0, &pattern(g, gb)).unwrap();
+        }
+        k.crash();
+        flip(dir.path(), &layout, 1, 1);
+        let k = open(dir.path(), TierKind::File, layout, c);
+        let r = k.read(GroupIndex(1), 0, &mut out);
+        if forced {
+            let e = r.unwrap_err();
+            assert!(matches!(e, CascadeError::Checksum { .. }), "{e}");
+            assert_eq!(k.stats().recovered_reads, 0);
+        } else {
+            r.unwrap();
+            assert_eq!(out, pattern(100, gb));
+            assert_eq!(k.stats().recovered_reads, 1);
+        }
+        // The groups written back (all but the two left in T1, lost in
+        // the crash) read back whole either way.
+        for g in 3..7 {
+            k.read(GroupIndex(g), 0, &mut out).unwrap();
+            assert_eq!(out, pattern(g, gb), "group {g}");
+        }
     }
 }
 

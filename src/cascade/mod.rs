@@ -157,6 +157,10 @@ pub struct CascadeConfig {
     /// size: the first before the cascade is usable, the rest by a
     /// background thread, so a large T1 does not hold up a mount.
     pub t1_chunk_bytes: u64,
+    /// Write-backs (evictions) with no sync in between after which the
+    /// cascade syncs the data file itself, so the list of groups awaiting a
+    /// sync stays bounded (about 40 bytes each).
+    pub unsynced_limit: usize,
 }
 
 /// Default T1 chunk: pinning 256 MiB takes a fraction of a second, and the
@@ -170,6 +174,7 @@ impl Default for CascadeConfig {
             policy: PolicyKind::Sieve,
             promote_on_miss: false,
             t1_chunk_bytes: DEFAULT_T1_CHUNK,
+            unsynced_limit: DEFAULT_UNSYNCED_LIMIT,
         }
     }
 }
@@ -238,9 +243,9 @@ pub struct CascadeStats {
 #[derive(Default)]
 struct IndexHasher(u64);
 
-/// Write-backs awaiting a sync before one is forced (see bound_unsynced):
-/// about 40 MB of bookkeeping at most.
-const UNSYNCED_LIMIT: usize = 1 << 20;
+/// Default write-backs awaiting a sync before one is forced (see
+/// bound_unsynced): about 40 MB of bookkeeping at most.
+pub const DEFAULT_UNSYNCED_LIMIT: usize = 1 << 20;
 
 impl Hasher for IndexHasher {
     fn finish(&self) -> u64 {
@@ -297,6 +302,10 @@ pub struct Cascade {
     /// Groups written back since the last sync, with the generation of that
     /// write-back: a sync makes their newest copies the durable ones.
     unsynced: Mutex<HashMap<GroupIndex, u64, BuildHasherDefault<IndexHasher>>>,
+    /// Set when `unsynced` grew past the unsynced limit, so a write checks one
+    /// atomic rather than taking the `unsynced` lock.
+    unsynced_over: AtomicBool,
+    unsynced_limit: usize,
     /// This mount's epoch (see store::next_epoch).
     epoch: u8,
     /// Set by `crash`: drop without the final flush.
@@ -465,6 +474,8 @@ impl Cascade {
             staging: Mutex::new(Vec::new()),
             counters: Counters::default(),
             unsynced: Mutex::new(HashMap::default()),
+            unsynced_over: AtomicBool::new(false),
+            unsynced_limit: cfg.unsynced_limit.max(1),
             epoch: 1,
             crashed: false,
             store_lock: None,
@@ -791,7 +802,13 @@ impl Cascade {
             generation: (old.generation + 1) & 0xffff_ffff,
         };
         self.meta.set(g.0, new);
-        self.unsynced.lock().insert(g, new.generation);
+        {
+            let mut u = self.unsynced.lock();
+            u.insert(g, new.generation);
+            if u.len() > self.unsynced_limit {
+                self.unsynced_over.store(true, Ordering::Relaxed);
+            }
+        }
         self.counters.flushes.fetch_add(1, Ordering::Relaxed);
         self.counters
             .flushed_bytes
@@ -1253,11 +1270,11 @@ impl Cascade {
     }
 
     /// Keeps the list of write-backs awaiting a sync bounded: past
-    /// UNSYNCED_LIMIT groups (a long run of evictions with no fsync or
+    /// `unsynced_limit` groups (a long run of evictions with no fsync or
     /// sync), the data file is synced and they become durable. Called with
     /// no lock held.
     fn bound_unsynced(&self) {
-        if self.unsynced.lock().len() <= UNSYNCED_LIMIT {
+        if !self.unsynced_over.swap(false, Ordering::Relaxed) {
             return;
         }
         let taken: Vec<(GroupIndex, u64)> = std::mem::take(&mut *self.unsynced.lock())
