@@ -10,6 +10,8 @@ Bandwidth: restores of T1-resident groups into a registered GPU region,
 up to --inflight tickets at once, next to one large pinned host-to-device
 copy of the same total bytes in the same run (torch). For context: one
 synchronous ticket at a time, one cudaMemcpyAsync per group, and misses.
+Stores of the same batch shape (GPU -> T1) next to one large pinned
+device-to-host copy.
 --guard: a T1 of 2 slots, 4 groups, async restore then evicting writes;
 every restored group must be intact (a slot is never reused under a copy).
 """
@@ -27,6 +29,7 @@ from kvfs_client import Kvfs  # noqa: E402
 
 
 WAIT_S = 60  # a ticket that takes longer than this is a failure, not a wait
+STORE_CHUNK = 16 << 20  # the daemon's staging per GPU store launch (GPU_STORE_CHUNK)
 
 
 def log(*a):
@@ -80,6 +83,23 @@ def correctness(kv, gb, dev):
     kv.unregister(r2)
     print(f"correctness: {n} groups of {gb} B stored from and restored into GPU memory, bit-identical; "
           "the comparing stream waited on the ticket's IPC event")
+    # A store larger than the daemon's 16 MiB staging runs in several
+    # launches: scattered sources (reverse order), read back in order.
+    m = min(2 * (STORE_CHUNK // gb) + 3, kv.layout["t1_slots"] // 2, kv.layout["groups"])
+    data = torch.randint(0, 256, (m * gb,), dtype=torch.uint8, device=dev)
+    region = kv.register_tensor(data)
+    keys = keys_of(kv.layout, m)
+    torch.cuda.synchronize()
+    kv.wait(kv.store([k + (region, (m - 1 - i) * gb) for i, k in enumerate(keys)], wait=False), timeout=WAIT_S)
+    back = torch.zeros(m * gb, dtype=torch.uint8, device=dev)
+    r2 = kv.register_tensor(back)
+    kv.wait(kv.restore([k + (r2, i * gb) for i, k in enumerate(keys)], wait=False), timeout=WAIT_S)
+    torch.cuda.synchronize()
+    assert torch.equal(back.view(m, gb), data.view(m, gb).flip(0)), "a multi-launch store lost or moved bytes"
+    kv.unregister(region)
+    kv.unregister(r2)
+    print(f"correctness: one store of {m} groups ({m * gb / 2**20:.1f} MiB, several staging launches) from "
+          "scattered GPU memory, restored bit-identical")
 
 
 def timed(fn):
@@ -160,6 +180,27 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None):
             for t, a, b in spans:
                 f.write(f"{t} {a:.6f} {b:.6f}\n")
     t_sync = median(one_at_a_time)
+    # Stores (GPU -> T1, write-back) of the same batch shape: each batch
+    # overwrites `batch` distinct T1-resident groups from scattered places
+    # of the source tensor.
+    def store_entries():
+        pick = torch.randperm(hot, generator=g)[:batch].tolist()
+        src_at = torch.randperm(hot, generator=g)[:batch].tolist()
+        return [keys[p] + (rs, q * gb) for p, q in zip(pick, src_at)]
+
+    sbatches = [kv.encode_entries(store_entries()) for _ in range(rounds)]
+
+    def stores():
+        pending = []
+        for b in sbatches:
+            pending.append(kv.store(b, wait=False))
+            if len(pending) >= inflight:
+                kv.wait(pending.pop(0), timeout=WAIT_S)
+        for t in pending:
+            kv.wait(t, timeout=WAIT_S)
+
+    stores()  # warm
+    t_store = median(stores)
     # Baseline: one large pinned copy of the same total bytes.
     host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     big = torch.empty(total, dtype=torch.uint8, device=dev)
@@ -175,6 +216,9 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None):
                 dst[i * gb:(i + 1) * gb].copy_(slots[p * gb:(p + 1) * gb], non_blocking=True)
 
     t_each = timed(per_group)
+    # Store baseline: one large pinned D2H copy of the same total bytes.
+    host.copy_(big, non_blocking=True)
+    t_big_d2h = median(lambda: host.copy_(big, non_blocking=True))
     gbps = lambda t: total / t / 1e9  # noqa: E731
     base = gbps(t_big)
     print(f"bandwidth (medians of {reps} runs), {gb >> 10} KiB groups, batches of {batch}, {rounds} batches ({total / 2**20:.0f} MiB), "
@@ -185,6 +229,9 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None):
           f"waiting for the oldest ticket {per_call['wait']:.0f} us)")
     print(f"  kvfs restore, one ticket at a time     {gbps(t_sync):7.2f} GB/s  ({gbps(t_sync) / base:.2f})")
     print(f"  one cudaMemcpyAsync per group          {gbps(t_each):7.2f} GB/s  ({gbps(t_each) / base:.2f})")
+    base_d2h = gbps(t_big_d2h)
+    print(f"  one large pinned D2H copy (baseline)   {base_d2h:7.2f} GB/s")
+    print(f"  kvfs store, {inflight} tickets in flight         {gbps(t_store):7.2f} GB/s  ({gbps(t_store) / base_d2h:.2f} of baseline)")
     # Misses: groups pushed out of T1 by storing more than it holds.
     spill = t1_groups + batch
     if layout["groups"] >= hot + spill:

@@ -378,6 +378,10 @@ struct GpuPool {
 /// Pooled buffers kept per kind.
 const GPU_POOL_KEEP: usize = 16;
 
+/// A GPU store moves at most this many bytes of groups per launch: the
+/// size of a restore's staging, so both draw on one pool.
+const GPU_STORE_CHUNK: usize = 16 << 20;
+
 /// A ticket's IPC event; back to the pool once the ticket is both done
 /// and collected (a client opens the handle any time before it collects).
 /// A client still waiting on an old handle after that waits on a later
@@ -1459,7 +1463,7 @@ impl Session {
                     libc::EINVAL,
                     i as u32,
                     format!(
-                        "entry {i}: a CUDA destination must be 16-byte aligned (offset {})",
+                        "entry {i}: a group in CUDA memory must start 16-byte aligned (offset {})",
                         e.offset
                     ),
                 ));
@@ -1577,7 +1581,7 @@ impl Session {
         if work.is_cuda() {
             return match cmd {
                 Command::Restore => self.submit_gpu_restore(work, admitted),
-                _ => Ok(self.submit_gpu_store(work)),
+                _ => self.submit_gpu_store(work),
             };
         }
         let ticket = self.new_ticket();
@@ -1817,53 +1821,103 @@ impl Session {
         Ok(reply)
     }
 
-    /// A STORE from CUDA regions: device → pinned staging → T1 (write-back).
-    fn submit_gpu_store(self: &Arc<Session>, work: Batch) -> Reply {
-        // Pinned here, not in the job (see submit_gpu_restore).
-        let staging = self
-            .ctl
-            .gpu_pool
-            .take_staging(self.ctl.cascade.layout().group_bytes() as usize);
+    /// A STORE from CUDA regions. The gather kernel copies the batch, at
+    /// most GPU_STORE_CHUNK bytes at a time, from device memory into pinned
+    /// staging (device-mapped, so one launch moves many small groups at
+    /// PCIe speed); then each group is written into T1 (write-back). All
+    /// memory is taken here, on admission (see submit_gpu_restore); the job
+    /// only enqueues and waits.
+    fn submit_gpu_store(self: &Arc<Session>, work: Batch) -> Result<Reply, Rejection> {
+        let c = crate::gpu::cuda::cuda()
+            .ok_or_else(|| reject(libc::ENODEV, NO_ENTRY, "no CUDA driver"))?;
+        let layout = self.ctl.cascade.layout();
+        let (gb, stride) = (layout.group_bytes(), layout.stride() as usize);
+        let chunk = (GPU_STORE_CHUNK / stride).clamp(1, work.len().max(1));
+        let fail = |e: String| {
+            reject(
+                libc::EIO,
+                NO_ENTRY,
+                format!("cannot start the GPU store: {e}"),
+            )
+        };
+        let pool = &self.ctl.gpu_pool;
+        let table = pool.take_table(chunk).map_err(|e| fail(e.to_string()))?;
+        let table_dev = table
+            .device_ptr()
+            .ok_or_else(|| fail("the descriptor table is not device-mapped".into()))?;
+        let staging = pool
+            .take_staging(chunk * stride)
+            .map_err(|e| fail(e.to_string()))?;
+        let staging_dev = staging
+            .device_ptr()
+            .ok_or_else(|| fail("staging is not device-mapped".into()))?;
+        let staged_descs = pool.take_device(16 * chunk).map_err(fail)?;
+        let event = pool.take_event().map_err(fail)?;
+        let stream = pool.take_stream().map_err(fail)?;
+        // Nothing to wait for: the descriptors are written before each launch.
+        drop(ReadyFlag(table.as_ptr().cast::<u32>()));
         let ticket = self.new_ticket();
         let s = self.clone();
         let started = Instant::now();
-        tracing::debug!(ticket, n = work.len(), "GPU store submitted");
+        tracing::debug!(ticket, n = work.len(), chunk, "GPU store submitted");
         self.ctl.exec.submit_ticket(
             self,
             ticket,
             Box::new(move || {
-                let gb = s.ctl.cascade.layout().group_bytes() as usize;
-                let c = crate::gpu::cuda::cuda();
-                let mut buf = staging;
-                let results: Vec<Result<(), CascadeError>> = work
-                    .items
-                    .iter()
-                    .map(|it| {
-                        let src = work.region(it).device_addr(it.offset);
-                        let (Some(c), Ok(b), Some(src)) = (c, buf.as_mut(), src) else {
-                            return Err(CascadeError::RegionFault(
-                                "no staging buffer or CUDA driver".into(),
-                            ));
-                        };
-                        let dst = &mut b.as_mut_slice()[..gb];
-                        // SAFETY: admission checked offset + group_bytes is inside the region.
-                        unsafe { c.copy_dtoh(dst, src) }.map_err(|e| {
-                            CascadeError::RegionFault(format!("GPU copy failed: {e}"))
-                        })?;
-                        s.ctl.cascade.write(it.g, 0, dst)?;
+                let (mut table, mut staging) = (table, staging);
+                let cascade = &s.ctl.cascade;
+                let mut results: Vec<Result<(), CascadeError>> = Vec::with_capacity(work.len());
+                for items in work.items.chunks(chunk) {
+                    for (d, (i, it)) in table.as_mut_slice()[16..16 + 16 * items.len()]
+                        .chunks_exact_mut(16)
+                        .zip(items.iter().enumerate())
+                    {
+                        // Admission made every region of a CUDA batch a CUDA
+                        // region and checked offset + group_bytes inside it.
+                        let src = work.region(it).device_addr(it.offset).unwrap_or(0);
+                        let dst = staging_dev + (i * stride) as u64;
+                        d[..8].copy_from_slice(&src.to_le_bytes());
+                        d[8..].copy_from_slice(&dst.to_le_bytes());
+                    }
+                    // SAFETY: the table, staging and staged_descs live until
+                    // this job returns, after the event; every descriptor
+                    // names a checked range of a live CUDA region (the batch
+                    // holds it) and a staging slot of `stride` ≥ gb bytes.
+                    let r = unsafe {
+                        c.enqueue_gather(
+                            &stream,
+                            table_dev,
+                            table.as_ptr().add(16),
+                            &staged_descs,
+                            items.len() as u32,
+                            gb,
+                            &event,
+                        )
+                    }
+                    .and_then(|()| c.wait_event(&event));
+                    if let Err(e) = r {
+                        tracing::error!("GPU store of ticket {ticket} failed: {e}");
+                        results.extend(items.iter().map(|_| {
+                            Err(CascadeError::RegionFault(format!("GPU copy failed: {e}")))
+                        }));
+                        continue;
+                    }
+                    let data = staging.as_mut_slice();
+                    results.extend(items.iter().enumerate().map(|(i, it)| {
+                        cascade.write(it.g, 0, &data[i * stride..i * stride + gb as usize])?;
                         if let Some(h) = s.ctl.on_change.get() {
                             h(it.g);
                         }
                         Ok(())
-                    })
-                    .collect();
-                if let Ok(b) = buf {
-                    s.ctl.gpu_pool.give_staging(b);
+                    }));
                 }
+                s.ctl.gpu_pool.give(table, Some(stream), Some(staging));
+                s.ctl.gpu_pool.give_device(staged_descs);
+                drop(event);
                 s.complete(Command::Store, ticket, started, results);
             }),
         );
-        Reply::ok(Command::Store, ticket)
+        Ok(Reply::ok(Command::Store, ticket))
     }
 
     fn query(&self, keys: &[RawKey]) -> Result<Reply, Rejection> {
