@@ -537,9 +537,9 @@ fn restore_bench_prints_figures_and_baselines() {
     );
     assert_eq!(
         t.lines()
-            .filter(|l| l.contains("T1 hits") || l.contains("misses"))
+            .filter(|l| l.contains("T1 hits") || l.contains("misses") || l.contains("into T1"))
             .count(),
-        12,
+        18,
         "{t}"
     );
     assert!(t.contains("memcpy GB/s"), "{t}");

@@ -1,12 +1,13 @@
 //! `kvfs bench restore`: batched restores through the control file into a
 //! host region, next to a plain memcpy of the same bytes into the same
-//! region in the same run. Groups of 4 KiB and 16 KiB; batches of 1, 64 and
-//! 1024; all T1 hits, or all backing misses.
+//! region in the same run (for stores: out of it). Groups of 4 KiB and 16 KiB; batches of 1, 64 and
+//! 1024; all T1 hits, or all backing misses; and stores from the region
+//! into T1-resident groups.
 
 use super::{Rng, thousands};
 use crate::cascade::Residence;
 use crate::client::Client;
-use crate::fs::{KvFs, mount_background};
+use crate::fs::{KvFs, MountOptions};
 use crate::geometry::{Dtype, GroupIndex, GroupLayout};
 use anyhow::{Context, bail};
 use std::path::PathBuf;
@@ -25,10 +26,32 @@ pub struct RestoreBench {
 pub struct RestoreRow {
     pub group_bytes: u64,
     pub batch: usize,
-    pub hits: bool,
+    pub op: Op,
     pub gbps: f64,
     pub requests_per_s: f64,
     pub memcpy_gbps: f64,
+}
+
+/// What a row measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Restores of T1-resident groups.
+    RestoreHits,
+    /// Restores of groups only in the backing.
+    RestoreMisses,
+    /// Stores into T1-resident groups (write-back: nothing reaches the
+    /// backing during the run).
+    Store,
+}
+
+impl Op {
+    fn label(self) -> &'static str {
+        match self {
+            Op::RestoreHits => "restore  T1 hits",
+            Op::RestoreMisses => "restore  misses",
+            Op::Store => "store    into T1",
+        }
+    }
 }
 
 const BATCHES: [usize; 3] = [1, 64, 1024];
@@ -87,7 +110,16 @@ fn run_size(b: &RestoreBench, block_tokens: u32) -> anyhow::Result<Vec<RestoreRo
     }
     let mnt = scratch.path().join("mnt");
     std::fs::create_dir_all(&mnt)?;
-    let fs = mount_background(KvFs::new(cascade.clone(), 0, 0), &mnt, b.threads)
+    // Mounted as `kvfs mount` does (with the hook that drops cached pages
+    // of stored groups), served from background threads.
+    let opts = MountOptions {
+        source: "kvfs-bench".into(),
+        threads: b.threads,
+        allow_other: false,
+    };
+    let fs = KvFs::new(cascade.clone(), 0, 0)
+        .mount(&mnt, &opts)
+        .and_then(|m| m.spawn())
         .with_context(|| format!("cannot mount at {}", mnt.display()))?;
     let client = Client::open(&mnt)?;
     let region_len = 1024 * gb;
@@ -100,27 +132,54 @@ fn run_size(b: &RestoreBench, block_tokens: u32) -> anyhow::Result<Vec<RestoreRo
     // SAFETY: a shared mapping of our own temporary file, used only here.
     let mut map = unsafe { memmap2::MmapMut::map_mut(region.as_file())? };
     let src = vec![0x5au8; region_len as usize];
+    let mut sink = vec![0u8; region_len as usize];
     let mut rows = Vec::new();
     let mut rng = Rng::new(3);
-    for hits in [true, false] {
-        let set = if hits { &hot } else { &cold };
+    for op in [Op::RestoreHits, Op::RestoreMisses, Op::Store] {
+        let set = if op == Op::RestoreMisses { &cold } else { &hot };
+        if op == Op::Store {
+            // The region holds the group's bytes, so every store keeps them.
+            for c in map.chunks_mut(gb as usize) {
+                c.copy_from_slice(&data);
+            }
+        }
         for &batch in &BATCHES {
             let bytes = batch as u64 * gb;
-            let base = memcpy_gbps(
-                &mut map[..bytes as usize],
-                &src[..bytes as usize],
-                b.seconds / 2.0,
-            );
+            // The baseline copies in the op's direction: into the region
+            // for restores, out of it for stores.
+            let base = if op == Op::Store {
+                memcpy_gbps(
+                    &mut sink[..bytes as usize],
+                    &map[..bytes as usize],
+                    b.seconds / 2.0,
+                )
+            } else {
+                memcpy_gbps(
+                    &mut map[..bytes as usize],
+                    &src[..bytes as usize],
+                    b.seconds / 2.0,
+                )
+            };
             let t = Instant::now();
             let mut n = 0u64;
             while t.elapsed() < Duration::from_secs_f64(b.seconds) {
-                let entries: Vec<_> = (0..batch as u64)
+                // Distinct groups: a window of the set at a random start.
+                let start = rng.below(set.len() as u64) as usize;
+                let entries: Vec<_> = (0..batch)
                     .map(|i| {
-                        let g = set[rng.below(set.len() as u64) as usize];
-                        (layout.key(GroupIndex(g)).expect("in range"), rid, i * gb)
+                        let g = set[(start + i) % set.len()];
+                        (
+                            layout.key(GroupIndex(g)).expect("in range"),
+                            rid,
+                            i as u64 * gb,
+                        )
                     })
                     .collect();
-                let ticket = client.restore(&entries)?;
+                let ticket = if op == Op::Store {
+                    client.store(&entries)?
+                } else {
+                    client.restore(&entries)?
+                };
                 client.wait(ticket, None)?;
                 n += 1;
             }
@@ -128,10 +187,17 @@ fn run_size(b: &RestoreBench, block_tokens: u32) -> anyhow::Result<Vec<RestoreRo
             if map[..gb as usize] != data[..] {
                 bail!("restored bytes differ from the group's");
             }
+            if op == Op::Store {
+                let mut back = vec![0u8; gb as usize];
+                cascade.read(GroupIndex(set[0]), 0, &mut back)?;
+                if back != data {
+                    bail!("a stored group differs from the region's bytes");
+                }
+            }
             rows.push(RestoreRow {
                 group_bytes: gb,
                 batch,
-                hits,
+                op,
                 gbps: (n * bytes) as f64 / secs / 1e9,
                 requests_per_s: n as f64 / secs,
                 memcpy_gbps: base,
@@ -146,19 +212,19 @@ fn run_size(b: &RestoreBench, block_tokens: u32) -> anyhow::Result<Vec<RestoreRo
 
 pub fn run(b: &RestoreBench) -> anyhow::Result<Vec<RestoreRow>> {
     println!(
-        "restore bench: restores into a {} region through .kvfs/control, one ticket at a time, {} s a cell; baseline: memcpy of the same bytes into the same region",
+        "restore bench: restores into and stores from a {} region through .kvfs/control, one ticket at a time, {} s a cell; baseline: memcpy of the same bytes into (restores) or out of (stores) the same region",
         b.shm.display(),
         b.seconds
     );
-    println!("  group   batch  source    restore GB/s   requests/s   memcpy GB/s   ratio");
+    println!("  group   batch  what                GB/s   requests/s   memcpy GB/s   ratio");
     let mut all = Vec::new();
     for bt in [16u32, 64] {
         for r in run_size(b, bt)? {
             println!(
-                "  {:>3} KiB {:>6}  {:<8} {:>12.2} {:>12} {:>13.2} {:>7.2}",
+                "  {:>3} KiB {:>6}  {:<16} {:>8.2} {:>12} {:>13.2} {:>7.2}",
                 r.group_bytes >> 10,
                 r.batch,
-                if r.hits { "T1 hits" } else { "misses" },
+                r.op.label(),
                 r.gbps,
                 thousands(r.requests_per_s as u64),
                 r.memcpy_gbps,

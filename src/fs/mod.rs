@@ -71,6 +71,11 @@ impl Mounted {
     pub fn run(self) -> std::io::Result<()> {
         self.0.run()
     }
+
+    /// Serves requests from background threads (benches and tests).
+    pub fn spawn(self) -> std::io::Result<BackgroundMount> {
+        self.0.spawn().map(BackgroundMount)
+    }
 }
 
 /// A filesystem mounted by this process, served by background threads;
@@ -142,6 +147,41 @@ pub struct KvFs {
     next_fh: AtomicU64,
     lat: Latencies,
     started: Instant,
+    /// Group inodes the kernel holds (looked up, not yet forgotten): only
+    /// those can have cached pages to drop when a STORE changes a group.
+    known: Arc<KnownInodes>,
+}
+
+/// Lookup counts of the group inodes the kernel holds, sharded by inode.
+/// An inode the kernel has not looked up has no page cache, so a STORE
+/// into it needs no invalidation (one write to /dev/fuse a group saved).
+#[derive(Default)]
+struct KnownInodes([Mutex<HashMap<u64, u64>>; 16]);
+
+impl KnownInodes {
+    fn shard(&self, ino: u64) -> &Mutex<HashMap<u64, u64>> {
+        &self.0[(ino % 16) as usize]
+    }
+
+    /// A lookup of `ino` is about to be answered.
+    fn add(&self, ino: u64) {
+        *self.shard(ino).lock().entry(ino).or_insert(0) += 1;
+    }
+
+    /// The kernel dropped `n` lookups of `ino`.
+    fn forget(&self, ino: u64, n: u64) {
+        let mut m = self.shard(ino).lock();
+        if let Some(c) = m.get_mut(&ino) {
+            *c = c.saturating_sub(n);
+            if *c == 0 {
+                m.remove(&ino);
+            }
+        }
+    }
+
+    fn holds(&self, ino: u64) -> bool {
+        self.shard(ino).lock().contains_key(&ino)
+    }
 }
 
 impl KvFs {
@@ -159,6 +199,7 @@ impl KvFs {
             next_fh: AtomicU64::new(1),
             lat: Latencies::default(),
             started: Instant::now(),
+            known: Arc::default(),
         }
     }
 
@@ -194,10 +235,14 @@ impl KvFs {
         config.clone_fd = true;
         let control = self.control.clone();
         let inodes = Inodes::new(*self.cascade.layout());
+        let known = self.known.clone();
         let session = fuser::Session::new(self, mountpoint, &config)?;
         let notifier = session.notifier();
         control.set_change_hook(Box::new(move |g| {
-            let _ = notifier.inval_inode(INodeNo(inodes.ino(Node::Group(g))), 0, 0);
+            let ino = inodes.ino(Node::Group(g));
+            if known.holds(ino) {
+                let _ = notifier.inval_inode(INodeNo(ino), 0, 0);
+            }
         }));
         Ok(Mounted(session))
     }
@@ -509,10 +554,20 @@ impl Filesystem for KvFs {
             .zip(name.to_str())
             .and_then(|(p, n)| self.child(p, n));
         match found {
-            Some(n) => reply.entry(&ENTRY_TTL, &self.attr(n), Generation(0)),
+            Some(n) => {
+                if let Node::Group(g) = n {
+                    // Counted before the kernel can hold it (see KnownInodes).
+                    self.known.add(self.inodes.ino(Node::Group(g)));
+                }
+                reply.entry(&ENTRY_TTL, &self.attr(n), Generation(0))
+            }
             None => reply.error(Errno::ENOENT),
         }
         self.lat.lookup.observe(t.elapsed());
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.known.forget(ino.0, nlookup);
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
