@@ -50,6 +50,9 @@ enum Op {
     Read(u64, usize, usize),
     /// Whole groups through the batched path (hits, misses, empties mixed).
     ReadMany(Vec<u64>),
+    /// Whole-group writes through write_groups (duplicates allowed: the
+    /// last wins); a `false` entry's fill fails and must change nothing.
+    WriteMany(Vec<(u64, u64, bool)>),
     Flush(u64),
     Prefetch(u64),
     SyncAll,
@@ -65,6 +68,8 @@ fn op_strategy(groups: u64, gb: usize) -> impl Strategy<Value = Op> {
         }),
         6 => (0..groups, 0..gb, 1..=gb).prop_map(move |(g, o, l)| Op::Read(g, o, l.min(gb - o).max(1))),
         2 => proptest::collection::vec(0..groups, 1..12).prop_map(Op::ReadMany),
+        2 => proptest::collection::vec((0..groups, any::<u64>(), proptest::bool::weighted(0.9)), 1..12)
+            .prop_map(Op::WriteMany),
         1 => (0..groups).prop_map(Op::Flush),
         1 => (0..groups).prop_map(Op::Prefetch),
         1 => Just(Op::SyncAll),
@@ -120,6 +125,23 @@ fn run_model(
                 for (g, b) in gs.iter().zip(&bufs) {
                     let want = model.get(g).cloned().unwrap_or(vec![0; gb]);
                     prop_assert_eq!(b, &want, "batched read of group {}", g);
+                }
+            }
+            Op::WriteMany(ref ws) => {
+                let groups: Vec<GroupIndex> = ws.iter().map(|w| GroupIndex(w.0)).collect();
+                let rs = k.write_groups(&groups, |i, dst| {
+                    let (_, seed, ok) = ws[i];
+                    if !ok {
+                        return Err(CascadeError::RegionFault("test: fill refused".into()));
+                    }
+                    dst.copy_from_slice(&pattern(seed, gb));
+                    Ok(())
+                });
+                for (&(g, seed, ok), r) in ws.iter().zip(rs) {
+                    prop_assert_eq!(r.is_ok(), ok, "write_groups entry for group {}", g);
+                    if ok {
+                        model.insert(g, pattern(seed, gb));
+                    }
                 }
             }
             Op::Flush(g) => k.flush(GroupIndex(g)).unwrap(),

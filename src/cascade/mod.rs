@@ -1269,6 +1269,58 @@ impl Cascade {
         r
     }
 
+    /// Whole-group writes of many groups (a STORE batch), in batch order.
+    /// The groups in T1 are found under one acquisition of the state lock
+    /// and filled in place, each under its slot's write lock (one at a
+    /// time, so no lock order arises); the rest go through `write`.
+    /// `fill(i, dst)` puts group i's bytes into `dst` (group_bytes long)
+    /// and returns Ok, or returns an error and leaves `dst` untouched.
+    pub fn write_groups(
+        &self,
+        groups: &[GroupIndex],
+        mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), CascadeError>,
+    ) -> Vec<Result<(), CascadeError>> {
+        let gb = self.layout.group_bytes() as usize;
+        let mut results: Vec<Result<(), CascadeError>> =
+            groups.iter().map(|&g| self.check_index(g)).collect();
+        // Each pin is dropped once its group is written; the misses wait
+        // until then, so their claims never find T1 pinned full by us.
+        let mut later = Vec::new();
+        let mut written = 0u64;
+        for (i, pin) in self.pin_resident_many(groups).into_iter().enumerate() {
+            if results[i].is_err() {
+                continue;
+            }
+            let Some(pin) = pin else {
+                later.push(i);
+                continue;
+            };
+            let _w = self.slot_locks[pin.slot.0 as usize].write();
+            if !self.holds(pin.slot, groups[i]) {
+                later.push(i); // its fill failed meanwhile
+                continue;
+            }
+            // SAFETY: we hold the slot's write lock.
+            let slot = unsafe { self.slot_bytes_mut(pin.slot) };
+            match fill(i, &mut slot[..gb]) {
+                Ok(()) => {
+                    self.set_dirty(pin.slot);
+                    written += gb as u64;
+                }
+                Err(e) => results[i] = Err(e),
+            }
+        }
+        self.counters
+            .t1_write_bytes
+            .fetch_add(written, Ordering::Relaxed);
+        let mut buf = vec![0u8; if later.is_empty() { 0 } else { gb }];
+        for i in later {
+            results[i] = fill(i, &mut buf).and_then(|()| self.write_inner(groups[i], 0, &buf));
+        }
+        self.bound_unsynced();
+        results
+    }
+
     /// Keeps the list of write-backs awaiting a sync bounded: past
     /// `unsynced_limit` groups (a long run of evictions with no fsync or
     /// sync), the data file is synced and they become durable. Called with

@@ -1612,32 +1612,35 @@ impl Session {
             _ => Box::new(move || {
                 let gb = s.ctl.cascade.layout().group_bytes() as usize;
                 let mut copy = vec![0u8; gb];
-                let results: Vec<Result<(), CascadeError>> = work
-                    .items
-                    .iter()
-                    .map(|it| {
-                        let r = work.region(it);
-                        // Copy out first: if the client shrinks the file
-                        // under us, the group must not take the zero page.
-                        // SAFETY: admission checked the range is inside the region.
-                        copy.copy_from_slice(unsafe { r.range(it.offset, gb) });
-                        if r.damaged() {
-                            return Err(CascadeError::RegionFault(r.path.display().to_string()));
-                        }
-                        let res = s.ctl.cascade.write(it.g, 0, &copy);
-                        if res.is_ok()
-                            && let Some(h) = s.ctl.on_change.get()
-                        {
-                            h(it.g);
-                        }
-                        res
-                    })
-                    .collect();
+                let groups: Vec<GroupIndex> = work.items.iter().map(|it| it.g).collect();
+                let results = s.ctl.cascade.write_groups(&groups, |i, dst| {
+                    let it = &work.items[i];
+                    let r = work.region(it);
+                    // Copy out first: if the client shrinks the file under
+                    // us, the group must not take the zero page.
+                    // SAFETY: admission checked the range is inside the region.
+                    copy.copy_from_slice(unsafe { r.range(it.offset, gb) });
+                    if r.damaged() {
+                        return Err(CascadeError::RegionFault(r.path.display().to_string()));
+                    }
+                    dst.copy_from_slice(&copy);
+                    Ok(())
+                });
+                s.changed(&groups, &results);
                 s.complete(Command::Store, ticket, started, results);
             }),
         };
         self.ctl.exec.submit_ticket(self, ticket, job);
         Ok(Reply::ok(cmd, ticket))
+    }
+
+    /// Tells the filesystem which groups a STORE changed.
+    fn changed(&self, groups: &[GroupIndex], results: &[Result<(), CascadeError>]) {
+        if let Some(h) = self.ctl.on_change.get() {
+            for (&g, _) in groups.iter().zip(results).filter(|(_, r)| r.is_ok()) {
+                h(g);
+            }
+        }
     }
 
     /// A RESTORE into CUDA regions. Before replying, it enqueues on a
@@ -1903,13 +1906,13 @@ impl Session {
                         continue;
                     }
                     let data = staging.as_mut_slice();
-                    results.extend(items.iter().enumerate().map(|(i, it)| {
-                        cascade.write(it.g, 0, &data[i * stride..i * stride + gb as usize])?;
-                        if let Some(h) = s.ctl.on_change.get() {
-                            h(it.g);
-                        }
+                    let groups: Vec<GroupIndex> = items.iter().map(|it| it.g).collect();
+                    let rs = cascade.write_groups(&groups, |i, dst| {
+                        dst.copy_from_slice(&data[i * stride..][..gb as usize]);
                         Ok(())
-                    }));
+                    });
+                    s.changed(&groups, &rs);
+                    results.extend(rs);
                 }
                 s.ctl.gpu_pool.give(table, Some(stream), Some(staging));
                 s.ctl.gpu_pool.give_device(staged_descs);
