@@ -53,6 +53,9 @@ enum Op {
     /// Whole-group writes through write_groups (duplicates allowed: the
     /// last wins); a `false` entry's fill fails and must change nothing.
     WriteMany(Vec<(u64, u64, bool)>),
+    /// Whole-group writes in place through claim_slots (distinct groups;
+    /// those without a slot through write_groups), committed or dropped.
+    WriteSlots(Vec<(u64, u64)>, bool),
     Flush(u64),
     Prefetch(u64),
     SyncAll,
@@ -70,6 +73,8 @@ fn op_strategy(groups: u64, gb: usize) -> impl Strategy<Value = Op> {
         2 => proptest::collection::vec(0..groups, 1..12).prop_map(Op::ReadMany),
         2 => proptest::collection::vec((0..groups, any::<u64>(), proptest::bool::weighted(0.9)), 1..12)
             .prop_map(Op::WriteMany),
+        2 => (proptest::collection::vec((0..groups, any::<u64>()), 1..12), proptest::bool::weighted(0.8))
+            .prop_map(|(ws, commit)| Op::WriteSlots(ws, commit)),
         1 => (0..groups).prop_map(Op::Flush),
         1 => (0..groups).prop_map(Op::Prefetch),
         1 => Just(Op::SyncAll),
@@ -142,6 +147,43 @@ fn run_model(
                     if ok {
                         model.insert(g, pattern(seed, gb));
                     }
+                }
+            }
+            Op::WriteSlots(ref ws, commit) => {
+                let mut seen = std::collections::HashSet::new();
+                let ws: Vec<(u64, u64)> = ws.iter().copied().filter(|w| seen.insert(w.0)).collect();
+                let groups: Vec<GroupIndex> = ws.iter().map(|w| GroupIndex(w.0)).collect();
+                let mut sw = k.claim_slots(&groups, false);
+                let mut rest = Vec::new();
+                for (i, &(g, seed)) in ws.iter().enumerate() {
+                    match sw.bytes_mut(i) {
+                        Some(b) => {
+                            // What a failed device copy would leave: a torn mix.
+                            b.copy_from_slice(&pattern(seed, gb));
+                            if !commit {
+                                b[..gb / 2].fill(0xa5);
+                            }
+                        }
+                        None => rest.push((g, seed)),
+                    }
+                }
+                if commit {
+                    for &(g, seed) in ws.iter() {
+                        model.insert(g, pattern(seed, gb));
+                    }
+                    sw.commit();
+                } else {
+                    for &(g, seed) in &rest {
+                        model.insert(g, pattern(seed, gb));
+                    }
+                    drop(sw);
+                }
+                let gs: Vec<GroupIndex> = rest.iter().map(|w| GroupIndex(w.0)).collect();
+                for r in k.write_groups(&gs, |i, dst| {
+                    dst.copy_from_slice(&pattern(rest[i].1, gb));
+                    Ok(())
+                }) {
+                    r.unwrap();
                 }
             }
             Op::Flush(g) => k.flush(GroupIndex(g)).unwrap(),
@@ -471,6 +513,67 @@ fn a_long_run_of_write_backs_with_no_sync_is_synced() {
             assert_eq!(out, pattern(g, gb), "group {g}");
         }
     }
+}
+
+#[test]
+fn slots_claimed_for_in_place_writes() {
+    let (k, _sw, layout) = mem_cascade(6);
+    let gb = layout.group_bytes() as usize;
+    let g = GroupIndex;
+    // All of T1 (it arrives in two-slot chunks), so the counts below hold.
+    let t = std::time::Instant::now();
+    while k.t1_ready_slots() < 6 {
+        assert!(t.elapsed().as_secs() < 60, "T1 never arrived");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let read = |x: u64| {
+        let mut out = vec![0u8; gb];
+        k.read(g(x), 0, &mut out).unwrap();
+        out
+    };
+    for x in 0..4 {
+        k.write(g(x), 0, &pattern(x, gb)).unwrap();
+    }
+    k.sync_all().unwrap();
+    k.write(g(0), 0, &pattern(100, gb)).unwrap(); // dirty: no slot
+    // 0 dirty, 1 clean in T1, 5 and 6 new (two free slots), 7 new (none left).
+    let want = [g(0), g(1), g(5), g(6), g(7)];
+    let mut w = k.claim_slots(&want, false);
+    let has: Vec<bool> = (0..5).map(|i| w.has(i)).collect();
+    assert_eq!(has, [false, true, true, true, false]);
+    assert_eq!(w.held(), 3);
+    for (i, x) in [(1, 1), (2, 5), (3, 6)] {
+        w.bytes_mut(i)
+            .unwrap()
+            .copy_from_slice(&pattern(x + 10, gb));
+    }
+    // A reader of a held group waits for the commit: it never sees a
+    // half-written slot.
+    std::thread::scope(|s| {
+        let r = s.spawn(|| read(1));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        w.commit();
+        assert_eq!(r.join().unwrap(), pattern(11, gb));
+    });
+    assert_eq!(read(5), pattern(15, gb));
+    assert_eq!(read(6), pattern(16, gb));
+    assert!(k.query(g(5)).unwrap().dirty);
+    assert_eq!(read(0), pattern(100, gb), "the dirty group was left alone");
+    // Dropped without commit (a failed copy): clean and new groups read as
+    // before, from the backing.
+    k.sync_all().unwrap();
+    let mut w = k.claim_slots(&[g(1), g(7), g(2)], false);
+    for i in 0..3 {
+        if let Some(b) = w.bytes_mut(i) {
+            b.fill(0xa5);
+        }
+    }
+    assert!(w.has(0) && w.has(2));
+    drop(w);
+    assert_eq!(read(1), pattern(11, gb));
+    assert_eq!(read(2), pattern(2, gb));
+    assert_eq!(read(7), vec![0u8; gb]);
+    assert_eq!(k.query(g(7)).unwrap().residence, Residence::Empty);
 }
 
 #[test]

@@ -354,6 +354,70 @@ impl Drop for DevicePins<'_> {
     }
 }
 
+/// Slots held for writing whole groups in place, by a device or by the
+/// caller (see `Cascade::claim_slots`): each pinned and write-locked until
+/// `commit`, or dropped, which undoes the claims.
+pub struct SlotWrites<'a> {
+    c: &'a Cascade,
+    /// For each batch entry, its index into `held`.
+    of: Vec<Option<u32>>,
+    held: Vec<(GroupIndex, Pin<'a>, RwLockWriteGuard<'a, ()>)>,
+}
+
+impl SlotWrites<'_> {
+    /// Whether entry `i` has a slot here (else the caller writes it through
+    /// `write_groups`).
+    pub fn has(&self, i: usize) -> bool {
+        self.of[i].is_some()
+    }
+
+    /// How many entries have a slot.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The device address of entry `i`'s slot (T1 pinned and mapped).
+    pub fn device_addr(&self, i: usize) -> Option<u64> {
+        let h = self.of[i]? as usize;
+        self.c.slot_device_ptr(self.held[h].1.slot)
+    }
+
+    /// Entry `i`'s group bytes, for the caller to fill.
+    pub fn bytes_mut(&mut self, i: usize) -> Option<&mut [u8]> {
+        let h = self.of[i]? as usize;
+        let gb = self.c.layout.group_bytes() as usize;
+        // SAFETY: we hold the slot's write lock for as long as self lives,
+        // and the &mut self borrow makes this the only view of it.
+        Some(&mut unsafe { self.c.slot_bytes_mut(self.held[h].1.slot) }[..gb])
+    }
+
+    /// Every held slot was written in full: they become their groups'
+    /// (dirty) contents.
+    pub fn commit(mut self) {
+        let n = self.held.len() as u64;
+        for (_, pin, guard) in self.held.drain(..) {
+            self.c.set_dirty(pin.slot);
+            drop(guard);
+            drop(pin);
+        }
+        self.c
+            .counters
+            .t1_write_bytes
+            .fetch_add(n * self.c.layout.group_bytes(), Ordering::Relaxed);
+    }
+}
+
+impl Drop for SlotWrites<'_> {
+    /// Not committed (the copy failed): the held slots hold unknown bytes.
+    /// Each was free or held a clean group, so it goes back to the free
+    /// list and its group reads from the backing, as before: nothing lost.
+    fn drop(&mut self) {
+        for (g, pin, guard) in self.held.drain(..) {
+            self.c.abandon(g, pin, guard);
+        }
+    }
+}
+
 enum Claim<'a> {
     /// The group got this slot, mapped, pinned and write-locked; the caller
     /// fills it.
@@ -1319,6 +1383,75 @@ impl Cascade {
         }
         self.bound_unsynced();
         results
+    }
+
+    /// Slots to write whole groups into in place (a GPU STORE writes them
+    /// with one kernel launch, no host copy). Entry i gets a slot if its
+    /// group is in T1 and clean (its own slot), or not in T1 while a free
+    /// slot is left (claimed and mapped to it); with `device`, only slots
+    /// T1 has device-mapped. A dirty group, a busy slot (only try-locks are
+    /// taken, so holding many can never deadlock) or no free slot: no slot,
+    /// and the caller writes that entry through `write_groups`. Because a
+    /// held slot is free or clean, dropping the claims after a failed copy
+    /// loses nothing. `groups` must be distinct and in range.
+    pub fn claim_slots(&self, groups: &[GroupIndex], device: bool) -> SlotWrites<'_> {
+        let mut w = SlotWrites {
+            c: self,
+            of: vec![None; groups.len()],
+            held: Vec::with_capacity(groups.len()),
+        };
+        let mut fresh = Vec::new();
+        {
+            let mut st = self.state.lock();
+            if st.free.len() < groups.len() {
+                self.adopt_chunks(&mut st);
+            }
+            for (i, &g) in groups.iter().enumerate() {
+                debug_assert!(g.0 < self.layout.group_count());
+                let (s, guard) = match st.map.get(&g) {
+                    Some(&s) => {
+                        let i = s.0 as usize;
+                        if self.dirty[i].load(Ordering::Acquire)
+                            || st.slot_state[i] != SlotState::Resident
+                            || (device && self.slot_device_ptr(s).is_none())
+                        {
+                            continue;
+                        }
+                        let Some(guard) = self.slot_locks[i].try_write() else {
+                            continue;
+                        };
+                        st.policy.touch(s);
+                        (s, guard)
+                    }
+                    None => {
+                        let Some(&s) = st.free.last() else { continue };
+                        if self.pins[s.0 as usize].load(Ordering::Acquire) != 0
+                            || (device && self.slot_device_ptr(s).is_none())
+                        {
+                            continue;
+                        }
+                        let Some(guard) = self.slot_locks[s.0 as usize].try_write() else {
+                            continue;
+                        };
+                        st.free.pop();
+                        self.install(&mut st, s, g);
+                        fresh.push(s);
+                        (s, guard)
+                    }
+                };
+                w.of[i] = Some(w.held.len() as u32);
+                w.held.push((g, self.pin_now(s), guard));
+            }
+        }
+        let gb = self.layout.group_bytes() as usize;
+        if self.layout.stride() as usize > gb {
+            for s in fresh {
+                // SAFETY: we hold s's write lock (in w.held).
+                let slot = unsafe { self.slot_bytes_mut(s) };
+                slot[gb..].fill(0);
+            }
+        }
+        w
     }
 
     /// Keeps the list of write-backs awaiting a sync bounded: past

@@ -1825,11 +1825,11 @@ impl Session {
     }
 
     /// A STORE from CUDA regions. The gather kernel copies the batch, at
-    /// most GPU_STORE_CHUNK bytes at a time, from device memory into pinned
-    /// staging (device-mapped, so one launch moves many small groups at
-    /// PCIe speed); then each group is written into T1 (write-back). All
-    /// memory is taken here, on admission (see submit_gpu_restore); the job
-    /// only enqueues and waits.
+    /// most GPU_STORE_CHUNK bytes at a time, from device memory straight
+    /// into T1 slots (device-mapped; see Cascade::claim_slots) where it can,
+    /// else into pinned staging, whose groups are then written into T1
+    /// (write-back). All memory is taken here, on admission (see
+    /// submit_gpu_restore); the job only enqueues and waits.
     fn submit_gpu_store(self: &Arc<Session>, work: Batch) -> Result<Reply, Rejection> {
         let c = crate::gpu::cuda::cuda()
             .ok_or_else(|| reject(libc::ENODEV, NO_ENTRY, "no CUDA driver"))?;
@@ -1871,6 +1871,20 @@ impl Session {
                 let cascade = &s.ctl.cascade;
                 let mut results: Vec<Result<(), CascadeError>> = Vec::with_capacity(work.len());
                 for items in work.items.chunks(chunk) {
+                    let groups: Vec<GroupIndex> = items.iter().map(|it| it.g).collect();
+                    // The kernel writes straight into T1 slots where it can
+                    // (groups new to T1, or in it and clean); the rest land
+                    // in staging and are written after. A batch naming a
+                    // group twice goes through staging, in order.
+                    let mut sorted: Vec<u64> = groups.iter().map(|g| g.0).collect();
+                    sorted.sort_unstable();
+                    let slots = sorted
+                        .windows(2)
+                        .all(|w| w[0] != w[1])
+                        .then(|| cascade.claim_slots(&groups, true));
+                    let direct: Vec<Option<u64>> = (0..items.len())
+                        .map(|i| slots.as_ref().and_then(|w| w.device_addr(i)))
+                        .collect();
                     for (d, (i, it)) in table.as_mut_slice()[16..16 + 16 * items.len()]
                         .chunks_exact_mut(16)
                         .zip(items.iter().enumerate())
@@ -1878,14 +1892,15 @@ impl Session {
                         // Admission made every region of a CUDA batch a CUDA
                         // region and checked offset + group_bytes inside it.
                         let src = work.region(it).device_addr(it.offset).unwrap_or(0);
-                        let dst = staging_dev + (i * stride) as u64;
+                        let dst = direct[i].unwrap_or(staging_dev + (i * stride) as u64);
                         d[..8].copy_from_slice(&src.to_le_bytes());
                         d[8..].copy_from_slice(&dst.to_le_bytes());
                     }
                     // SAFETY: the table, staging and staged_descs live until
                     // this job returns, after the event; every descriptor
                     // names a checked range of a live CUDA region (the batch
-                    // holds it) and a staging slot of `stride` ≥ gb bytes.
+                    // holds it) and either a staging slot of `stride` ≥ gb
+                    // bytes or a T1 slot write-locked in `slots` until then.
                     let r = unsafe {
                         c.enqueue_gather(
                             &stream,
@@ -1899,18 +1914,34 @@ impl Session {
                     }
                     .and_then(|()| c.wait_event(&event));
                     if let Err(e) = r {
+                        // Dropping `slots` gives back the claimed slots.
                         tracing::error!("GPU store of ticket {ticket} failed: {e}");
                         results.extend(items.iter().map(|_| {
                             Err(CascadeError::RegionFault(format!("GPU copy failed: {e}")))
                         }));
                         continue;
                     }
+                    if let Some(w) = slots {
+                        w.commit();
+                    }
                     let data = staging.as_mut_slice();
-                    let groups: Vec<GroupIndex> = items.iter().map(|it| it.g).collect();
-                    let rs = cascade.write_groups(&groups, |i, dst| {
-                        dst.copy_from_slice(&data[i * stride..][..gb as usize]);
+                    let staged: Vec<usize> =
+                        (0..items.len()).filter(|&i| direct[i].is_none()).collect();
+                    let gs: Vec<GroupIndex> = staged.iter().map(|&i| groups[i]).collect();
+                    let mut rs: Vec<Result<(), CascadeError>> =
+                        (0..items.len()).map(|_| Ok(())).collect();
+                    for (&i, r) in staged.iter().zip(cascade.write_groups(&gs, |k, dst| {
+                        dst.copy_from_slice(&data[staged[k] * stride..][..gb as usize]);
                         Ok(())
-                    });
+                    })) {
+                        rs[i] = r;
+                    }
+                    tracing::debug!(
+                        ticket,
+                        n = items.len(),
+                        in_place = items.len() - staged.len(),
+                        "GPU store: chunk done"
+                    );
                     s.changed(&groups, &rs);
                     results.extend(rs);
                 }
