@@ -17,7 +17,7 @@ pkill -9 -f gpu_e2e; pkill -9 -f kvfs-bin; for m in k16 k4 kg; do umount -l /mnt
 export RUST_LOG=info${LOG:+,kvfs::control=$LOG}
 mkdir -p /mnt/k16 /mnt/k4 /mnt/kg
 $B mount /mnt/k16 --backing /tmp/b16 --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
-$B mount /mnt/k4 --backing /tmp/b4 --t1 1GiB --preset llama-3.1-8b || exit 1
+$B mount /mnt/k4 --backing /tmp/b4 --t1 2GiB --preset llama-3.1-8b || exit 1
 $B mount /mnt/kg --backing /tmp/bg --t1 8KiB --layers 1 --blocks 4 --kv-heads 1 --head-dim 128 --block-tokens 16 --dtype bf16 || exit 1
 set -o pipefail
 fail=0

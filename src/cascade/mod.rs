@@ -526,7 +526,10 @@ impl Cascade {
             tags: (0..n_slots).map(|_| AtomicU64::new(NO_GROUP)).collect(),
             dirty: (0..n_slots).map(|_| AtomicBool::new(false)).collect(),
             state: Mutex::new(State {
-                map: HashMap::default(),
+                // Sized for a full T1 up front, like the per-slot arrays: a
+                // rehash of a large map under the state lock would stall
+                // every reader and writer for milliseconds.
+                map: HashMap::with_capacity_and_hasher(n_slots as usize, Default::default()),
                 slot_state: vec![SlotState::Free; n_slots as usize],
                 // Reversed so slot 0 is used first.
                 free: (0..first_slots).rev().map(SlotId).collect(),
