@@ -190,14 +190,17 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None):
 
     sbatches = [kv.encode_entries(store_entries()) for _ in range(rounds)]
 
-    def stores():
+    def store_pipelined(encoded):
         pending = []
-        for b in sbatches:
+        for b in encoded:
             pending.append(kv.store(b, wait=False))
             if len(pending) >= inflight:
                 kv.wait(pending.pop(0), timeout=WAIT_S)
         for t in pending:
             kv.wait(t, timeout=WAIT_S)
+
+    def stores():
+        store_pipelined(sbatches)
 
     stores()  # warm
     t_store = median(stores)
@@ -213,18 +216,7 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None):
             fresh_runs.append([kv.encode_entries([k + (rs, q * gb) for k, q in zip(
                 ks[r * batch:(r + 1) * batch], torch.randperm(hot, generator=g)[:batch].tolist())])
                 for r in range(new_rounds)])
-        times = []
-        for runs in fresh_runs:
-            def fresh():
-                pending = []
-                for b in runs:
-                    pending.append(kv.store(b, wait=False))
-                    if len(pending) >= inflight:
-                        kv.wait(pending.pop(0), timeout=WAIT_S)
-                for t in pending:
-                    kv.wait(t, timeout=WAIT_S)
-            times.append(timed(fresh))
-        t_new = statistics.median(times)
+        t_new = statistics.median(timed(lambda: store_pipelined(runs)) for runs in fresh_runs)
     # Baseline: one large pinned copy of the same total bytes.
     host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     big = torch.empty(total, dtype=torch.uint8, device=dev)

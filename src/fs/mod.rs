@@ -555,9 +555,9 @@ impl Filesystem for KvFs {
             .and_then(|(p, n)| self.child(p, n));
         match found {
             Some(n) => {
-                if let Node::Group(g) = n {
+                if matches!(n, Node::Group(_)) {
                     // Counted before the kernel can hold it (see KnownInodes).
-                    self.known.add(self.inodes.ino(Node::Group(g)));
+                    self.known.add(self.inodes.ino(n));
                 }
                 reply.entry(&ENTRY_TTL, &self.attr(n), Generation(0))
             }
