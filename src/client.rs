@@ -7,7 +7,7 @@
 //! the errno, the offending entry and the daemon's message.
 
 use crate::control::wire::{
-    self, Command, HEADER_BYTES, IoEntry, MAX_IOCTL_BYTES, RawKey, Reply, Request,
+    self, Command, HEADER_BYTES, IoEntry, MAX_IOCTL_BYTES, MountLayout, RawKey, Reply, Request,
     STATE_ENTRY_BYTES, StateEntry,
 };
 use crate::geometry::GroupKey;
@@ -179,6 +179,13 @@ impl Client {
     pub fn hello(&self) -> Result<(u64, String), ClientError> {
         let r = self.call(&Request::Hello, 0)?;
         Ok((r.value, r.message))
+    }
+
+    /// The mount's shape, from HELLO.
+    pub fn layout(&self) -> Result<MountLayout, ClientError> {
+        let (_, json) = self.hello()?;
+        MountLayout::from_json(&json)
+            .map_err(|e| ClientError::Protocol(format!("HELLO's layout: {e}")))
     }
 
     /// Registers `len` bytes of a regular file (e.g. in /dev/shm) as a

@@ -10,6 +10,7 @@
 
 use anyhow::{Context, Result, bail};
 use kvfs::cascade::{BackingConfig, Cascade, CascadeConfig, PolicyKind};
+use kvfs::control::wire::MountLayout;
 use kvfs::fs::{KvFs, MountOptions};
 use kvfs::geometry::{DEFAULT_BLOCK_TOKENS, Dtype, GroupLayout};
 use kvfs::tier::TierKind;
@@ -534,7 +535,8 @@ fn process_alive(pid: i32) -> bool {
 
 pub fn stat(mp: &Path) -> Result<()> {
     check_kvfs(mp)?;
-    let layout: serde_json::Value = serde_json::from_str(&read_kvfs_file(mp, "layout")?)?;
+    let layout = MountLayout::from_json(&read_kvfs_file(mp, "layout")?)
+        .context("cannot parse .kvfs/layout")?;
     let s = read_kvfs_file(mp, "stats")?;
     let get = |k: &str| kvfs::stats::find_sample(&s, k).unwrap_or(0.0);
     let (t1h, bh) = (
@@ -554,20 +556,20 @@ pub fn stat(mp: &Path) -> Result<()> {
     println!("kvfs at {}", mp.display());
     println!(
         "  geometry   {} layers × {} blocks × {} kv heads × {} tokens × head_dim {} × {}",
-        layout["layers"],
-        layout["blocks"],
-        layout["kv_heads"],
-        layout["block_tokens"],
-        layout["head_dim"],
-        layout["dtype"].as_str().unwrap_or("?")
+        layout.layers,
+        layout.blocks,
+        layout.kv_heads,
+        layout.block_tokens,
+        layout.head_dim,
+        layout.dtype
     );
     println!(
         "  groups     {} of {} bytes",
-        layout["groups"], layout["group_bytes"]
+        layout.groups, layout.group_bytes
     );
     println!(
         "  T1         {} ({} slots), {} used ({:.1}%)",
-        human(layout["t1_bytes"].as_f64().unwrap_or(0.0)),
+        human(layout.t1_bytes as f64),
         total,
         used,
         if total > 0.0 {
@@ -577,11 +579,7 @@ pub fn stat(mp: &Path) -> Result<()> {
         }
     );
     println!("  dirty      {}", human(get(kvfs::stats::DIRTY_BYTES)));
-    println!(
-        "  backing    {} ({})",
-        layout["tier"].as_str().unwrap_or("?"),
-        layout["policy"].as_str().unwrap_or("?")
-    );
+    println!("  backing    {} ({})", layout.tier, layout.policy);
     println!(
         "  reads      {reads}: T1 {} ({}), backing {} ({}), never written {}",
         t1h,

@@ -9,7 +9,8 @@
 //! client. Decoding never panics and never trusts a count: every length is
 //! checked against the bytes actually present.
 
-use crate::geometry::{GroupKey, Kind};
+use crate::geometry::{GroupKey, GroupLayout, Kind};
+use serde::{Deserialize, Serialize};
 
 pub const REQUEST_MAGIC: u32 = u32::from_le_bytes(*b"KVFQ");
 pub const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"KVFR");
@@ -38,6 +39,59 @@ pub const IOCTL_NR: u32 = 1;
 pub const MAX_IOCTL_BYTES: usize = (1 << 14) - 1;
 /// REGISTER flags: a CUDA allocation named by its IPC handle.
 pub const REGISTER_CUDA: u64 = 1;
+
+/// The mount's shape, as JSON: HELLO's message and `.kvfs/layout`. The
+/// geometry, then T1's size, the backing tier and the replacement policy.
+/// One definition for the daemon, the Rust client and the CLI.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountLayout {
+    pub layers: u32,
+    pub blocks: u64,
+    pub kv_heads: u32,
+    pub block_tokens: u32,
+    pub head_dim: u32,
+    /// `bf16`, `fp16`, `fp32` or `fp8`.
+    pub dtype: String,
+    pub group_bytes: u64,
+    /// Bytes between groups in the backing file and T1 (4096-aligned).
+    pub stride: u64,
+    pub groups: u64,
+    pub t1_bytes: u64,
+    pub t1_slots: u32,
+    pub tier: String,
+    pub policy: String,
+    /// T1 is pinned, device-mapped memory (a CUDA driver is present).
+    pub t1_pinned: bool,
+}
+
+impl MountLayout {
+    pub fn new(l: &GroupLayout, t1_slots: u32, tier: &str, policy: &str, t1_pinned: bool) -> Self {
+        MountLayout {
+            layers: l.layers,
+            blocks: l.blocks,
+            kv_heads: l.kv_heads,
+            block_tokens: l.block_tokens,
+            head_dim: l.head_dim,
+            dtype: l.dtype.to_string(),
+            group_bytes: l.group_bytes(),
+            stride: l.stride(),
+            groups: l.group_count(),
+            t1_bytes: t1_slots as u64 * l.stride(),
+            t1_slots,
+            tier: tier.into(),
+            policy: policy.into(),
+            t1_pinned,
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("plain fields always serialise")
+    }
+
+    pub fn from_json(s: &str) -> Result<MountLayout, serde_json::Error> {
+        serde_json::from_str(s)
+    }
+}
 /// CUDA REGISTER payload: IPC memory handle 64, offset u64, device u32, pad u32.
 pub const CUDA_REGISTER_BYTES: usize = 80;
 

@@ -1,15 +1,22 @@
-//! Host memory for T1 and staging buffers; later, everything CUDA.
+//! Everything CUDA, and the host memory T1 and staging are made of.
 //!
-//! This is the only layer that will touch the CUDA driver. Today it owns the
-//! host-memory allocator the cascade draws T1 slots and bounce buffers from:
-//! page-aligned anonymous mappings, so every slot is aligned for O_DIRECT
-//! and the kernel hands out zero pages lazily (a large T1 costs nothing until
-//! it is used). The GPU issue swaps pinned `cuMemHostAlloc` memory in behind
-//! the same `HostBuf` API; callers must not assume how the memory was made.
-//! `cuda` probes for the driver without letting cudarc panic; where there
-//! is one, every `HostBuf` is pinned, portable and device-mapped.
+//! The only layer that touches the CUDA driver (through cudarc). Rooms:
+//! - `host`: `HostBuf`, page-aligned host memory: pinned, portable and
+//!   device-mapped (`cuMemHostAlloc`) where a driver is present, plain
+//!   anonymous mappings otherwise (zero pages handed out lazily, so a
+//!   large T1 costs nothing until used). Callers must not assume which.
+//! - `cuda`: the driver, probed without letting cudarc panic where libcuda
+//!   is absent; contexts, device memory, streams, IPC memory and events,
+//!   and the gather kernel's launch.
+//! - `engine`: the GPU transfer engine: batches of resolved copies between
+//!   pinned host memory and device memory, with its pools of tables,
+//!   staging, streams and events; `restore` and `store` are its API.
+//!
+//! Nothing here knows of groups' meaning: the cascade resolves which slot
+//! or staging bytes a copy reads or writes, and pins them meanwhile.
 
 pub mod cuda;
+pub mod engine;
 mod host;
 
 pub use host::HostBuf;

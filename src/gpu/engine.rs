@@ -1,0 +1,522 @@
+//! The GPU transfer engine: moves groups between pinned host memory (T1
+//! slots, staging) and device memory, in batches, by the gather kernel.
+//!
+//! Callers hand it resolved copies: `Descriptor { src, dst }` pairs of
+//! device-visible addresses (a device-mapped T1 slot or staging slot on one
+//! side, a CUDA region's bytes on the other), `bytes` each. It owns what
+//! the copies need and pools it, since creating streams, events and pinned
+//! memory per ticket would cost more than the copies: descriptor tables
+//! (pinned, with a ready flag), device memory for the staged descriptors,
+//! pinned staging, streams and IPC events.
+//!
+//! A restore is enqueued before its sources are known (`Engine::restore`):
+//! the stream waits on the table's ready flag, so the client can be given
+//! the ticket's IPC event at once; the caller then resolves each copy,
+//! fills the table and `finish`es, which sets the flag and waits for the
+//! copy. Every path sets the flag (a dropped `Restore` too), so no stream
+//! waits forever. A store (`Engine::store`) fills and launches one chunk at
+//! a time and waits for each. Nothing here knows of the cascade: pins and
+//! slot claims are the caller's, held until `finish`/`launch` return.
+//!
+//! Future copies (strided rows, copy-engine batches, several devices) go
+//! behind the same two calls.
+
+use super::HostBuf;
+use super::cuda::{Cuda, DeviceBuf, IpcEvent, Stream};
+use parking_lot::{Mutex, MutexGuard};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+
+/// Pooled buffers kept per kind.
+const POOL_KEEP: usize = 16;
+
+/// A store moves at most this many bytes of groups per launch: the size
+/// of a restore's staging, so both draw on one pool.
+pub const STORE_CHUNK: usize = 16 << 20;
+
+/// Bytes before the descriptors in a table: the u32 ready flag, padded so
+/// the descriptors stay 16-byte aligned.
+const FLAG_BYTES: usize = 16;
+
+/// Bytes of one descriptor in a table: {src u64, dst u64}.
+const DESCRIPTOR_BYTES: usize = 16;
+
+/// One copy of `bytes` bytes between device-visible addresses; `src` 0
+/// skips it (an entry that failed before the copy).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Descriptor {
+    pub src: u64,
+    pub dst: u64,
+}
+
+/// An IPC event, back to the pool once dropped: a ticket keeps it until
+/// it is both done and collected (a client opens the handle any time
+/// before it collects). A client still waiting on an old handle after that
+/// waits on a later ticket's copy: later, never earlier, than its own.
+pub struct PooledEvent {
+    ev: Option<IpcEvent>,
+    pool: Arc<Mutex<Vec<IpcEvent>>>,
+}
+
+impl std::ops::Deref for PooledEvent {
+    type Target = IpcEvent;
+    fn deref(&self) -> &Self::Target {
+        self.ev.as_ref().expect("an event until dropped")
+    }
+}
+
+impl Drop for PooledEvent {
+    fn drop(&mut self) {
+        let mut p = self.pool.lock();
+        if p.len() < POOL_KEEP * 4 {
+            p.extend(self.ev.take());
+        }
+    }
+}
+
+impl PooledEvent {
+    /// The exported handle as hex: what a client opens
+    /// (`torch.cuda.Event.from_ipc_handle`).
+    pub fn handle_hex(&self) -> String {
+        self.handle.iter().map(|x| format!("{x:02x}")).collect()
+    }
+}
+
+/// Sets a ticket's ready flag (a u32 in pinned memory the stream waits
+/// on); dropping it sets it too, so no stream ever waits forever.
+struct ReadyFlag(*mut u32);
+// SAFETY: the flag lives in the ticket's table, which its owner keeps.
+unsafe impl Send for ReadyFlag {}
+
+impl ReadyFlag {
+    fn set(&self) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        // SAFETY: the pointer is the first word of a live pinned table.
+        unsafe { std::ptr::write_volatile(self.0, 1) };
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+}
+
+impl Drop for ReadyFlag {
+    fn drop(&mut self) {
+        self.set();
+    }
+}
+
+/// Reused GPU resources.
+#[derive(Default)]
+struct Pool {
+    events: Arc<Mutex<Vec<IpcEvent>>>,
+    device: Mutex<Vec<DeviceBuf>>,
+    streams: Mutex<Vec<Stream>>,
+    tables: Mutex<Vec<HostBuf>>,
+    staging: Mutex<Vec<HostBuf>>,
+    reaper: OnceLock<Mutex<std::sync::mpsc::Sender<Box<dyn Send>>>>,
+}
+
+fn driver() -> Result<&'static Cuda, String> {
+    super::cuda::cuda().ok_or_else(|| "no CUDA driver".into())
+}
+
+impl Pool {
+    /// Device memory for a ticket's descriptors.
+    fn take_device(&self, len: usize) -> Result<DeviceBuf, String> {
+        let mut t = self.device.lock();
+        if let Some(i) = t.iter().position(|b| b.len() >= len) {
+            return Ok(t.swap_remove(i));
+        }
+        drop(t);
+        driver()?.alloc_device(len.next_power_of_two().max(4096))
+    }
+
+    fn give_device(&self, b: DeviceBuf) {
+        let mut t = self.device.lock();
+        if t.len() < POOL_KEEP {
+            t.push(b);
+        } else {
+            drop(t);
+            // cuMemFree may wait for the device: not on an executor thread.
+            self.free_later(Box::new(b));
+        }
+    }
+
+    fn take_event(&self) -> Result<PooledEvent, String> {
+        let ev = match self.events.lock().pop() {
+            Some(e) => e,
+            None => driver()?.new_ipc_event()?,
+        };
+        Ok(PooledEvent {
+            ev: Some(ev),
+            pool: self.events.clone(),
+        })
+    }
+
+    /// A table for `n` descriptors, its ready flag clear.
+    fn take_table(&self, n: usize) -> Result<HostBuf, String> {
+        let need = FLAG_BYTES + DESCRIPTOR_BYTES * n;
+        let mut t = self.tables.lock();
+        if let Some(i) = t.iter().position(|b| b.len() >= need) {
+            let mut b = t.swap_remove(i);
+            // The flag only: every descriptor is written before it is set.
+            b.as_mut_slice()[..FLAG_BYTES].fill(0);
+            return Ok(b);
+        }
+        drop(t);
+        HostBuf::alloc(need.next_power_of_two().max(4096)).map_err(|e| e.to_string())
+    }
+
+    fn take_staging(&self, len: usize) -> Result<HostBuf, String> {
+        let mut t = self.staging.lock();
+        if let Some(i) = t.iter().position(|b| b.len() >= len) {
+            return Ok(t.swap_remove(i));
+        }
+        drop(t);
+        HostBuf::alloc(len.next_power_of_two().max(4096)).map_err(|e| e.to_string())
+    }
+
+    fn take_stream(&self) -> Result<Stream, String> {
+        if let Some(s) = self.streams.lock().pop() {
+            return Ok(s);
+        }
+        driver()?.new_stream()
+    }
+
+    /// Drops GPU memory (pinned or device) on a thread of its own:
+    /// cuMemFreeHost waits for the device to go idle, and an executor
+    /// thread must never wait on a stream that may be waiting on a job
+    /// still queued behind it.
+    fn free_later(&self, b: Box<dyn Send>) {
+        let tx = self.reaper.get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel::<Box<dyn Send>>();
+            std::thread::Builder::new()
+                .name("kvfs-gpu-free".into())
+                .spawn(move || {
+                    for b in rx {
+                        drop(b);
+                    }
+                })
+                .expect("cannot start the GPU free thread");
+            Mutex::new(tx)
+        });
+        let _ = tx.lock().send(b);
+    }
+
+    fn give_host(&self, list: &Mutex<Vec<HostBuf>>, b: HostBuf) {
+        let mut t = list.lock();
+        if t.len() < POOL_KEEP {
+            t.push(b);
+        } else {
+            drop(t);
+            self.free_later(Box::new(b));
+        }
+    }
+
+    fn give(&self, table: HostBuf, stream: Option<Stream>, staging: HostBuf, staged: DeviceBuf) {
+        self.give_host(&self.tables, table);
+        self.streams.lock().extend(stream);
+        self.give_host(&self.staging, staging);
+        self.give_device(staged);
+    }
+}
+
+/// The transfer engine of one process (device 0 today).
+#[derive(Default)]
+pub struct Engine {
+    pool: Arc<Pool>,
+}
+
+/// An ordered stream: copies enqueued on it run in submission order (a
+/// client's T1-resident restores, so its oldest ticket finishes first).
+/// Its stream goes back to the engine's pool when the lane is dropped.
+pub struct Lane {
+    stream: Mutex<Option<Stream>>,
+    pool: Arc<Pool>,
+}
+
+/// A held lane: enqueues on it stay in the order they are made while it
+/// is held, so the holder can also queue the work that releases them in
+/// that same order.
+pub struct LaneGuard<'a>(MutexGuard<'a, Option<Stream>>);
+
+impl Lane {
+    pub fn lock(&self) -> LaneGuard<'_> {
+        LaneGuard(self.stream.lock())
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        // Its owner enqueues nothing more on it.
+        if let Some(s) = self.stream.get_mut().take() {
+            self.pool.streams.lock().push(s);
+        }
+    }
+}
+
+/// A restore enqueued and waiting for its descriptors (see the module note).
+pub struct Restore {
+    /// First field: dropped (the flag set) before the table can go.
+    ready: ReadyFlag,
+    c: &'static Cuda,
+    n: usize,
+    stride: usize,
+    table: Option<HostBuf>,
+    staging: Option<HostBuf>,
+    staged: Option<DeviceBuf>,
+    own_stream: Option<Stream>,
+    event: Arc<PooledEvent>,
+    pool: Arc<Pool>,
+    finished: bool,
+}
+
+/// A store's resources, reused for each chunk it launches.
+pub struct Store {
+    c: &'static Cuda,
+    chunk: usize,
+    stride: usize,
+    bytes: u64,
+    table: Option<HostBuf>,
+    table_dev: u64,
+    staging: Option<HostBuf>,
+    staging_dev: u64,
+    staged: Option<DeviceBuf>,
+    stream: Option<Stream>,
+    event: PooledEvent,
+    pool: Arc<Pool>,
+}
+
+impl Engine {
+    /// An ordered stream for one client.
+    pub fn lane(&self) -> Lane {
+        Lane {
+            stream: Mutex::new(None),
+            pool: self.pool.clone(),
+        }
+    }
+
+    /// Enqueues a restore of `n` copies of `bytes` each: on `lane` (held
+    /// by the caller) or, with None, on a stream of its own that holds up
+    /// no other ticket. `stride` ≥ bytes spaces its staging slots, of
+    /// which there are `n`. Everything the copy needs is taken here,
+    /// before the stream is told to wait: pinning memory makes CUDA wait
+    /// for the device to go idle, and the device then waits on this
+    /// restore's flag, which only `finish` (or drop) sets.
+    pub fn restore(
+        &self,
+        n: usize,
+        bytes: u64,
+        stride: usize,
+        lane: Option<&mut LaneGuard<'_>>,
+    ) -> Result<Restore, String> {
+        let c = driver()?;
+        let pool = &self.pool;
+        let table = pool.take_table(n)?;
+        let table_dev = table
+            .device_ptr()
+            .ok_or("the descriptor table is not device-mapped")?;
+        let staging = pool.take_staging(n * stride)?;
+        let event = Arc::new(pool.take_event()?);
+        let staged = pool.take_device(DESCRIPTOR_BYTES * n)?;
+        let own_stream = match lane {
+            Some(_) => None,
+            None => Some(pool.take_stream()?),
+        };
+        let r = Restore {
+            ready: ReadyFlag(table.as_ptr().cast::<u32>()),
+            c,
+            n,
+            stride,
+            table: Some(table),
+            staging: Some(staging),
+            staged: Some(staged),
+            own_stream,
+            event,
+            pool: pool.clone(),
+            finished: false,
+        };
+        // From here a failure drops `r`, which sets the flag, so whatever
+        // was enqueued does not wait forever.
+        let stream = match (&r.own_stream, lane) {
+            (Some(s), _) => s,
+            (None, Some(LaneGuard(slot))) => match &mut **slot {
+                Some(s) => s,
+                slot => slot.insert(pool.take_stream()?),
+            },
+            (None, None) => unreachable!("a stream was taken above"),
+        };
+        let table = r.table.as_ref().expect("set above");
+        // SAFETY: the table holds FLAG_BYTES + DESCRIPTOR_BYTES × n bytes
+        // (take_table); it and the staged descriptors live in `r` until the
+        // event completes (finish, or drop); every descriptor is written
+        // before the flag is set.
+        let e = unsafe {
+            c.enqueue_gather(
+                stream,
+                table_dev,
+                table.as_ptr().add(FLAG_BYTES),
+                r.staged.as_ref().expect("set above"),
+                n as u32,
+                bytes,
+                &r.event,
+            )
+        };
+        e.map(|()| r)
+    }
+
+    /// Takes what a store of `n` copies of `bytes` each needs: one chunk
+    /// of at most STORE_CHUNK bytes of staging (slots `stride` apart), its
+    /// table, event and stream. All memory is taken here, on admission
+    /// (see `restore`); launches only enqueue and wait.
+    pub fn store(&self, n: usize, bytes: u64, stride: usize) -> Result<Store, String> {
+        let c = driver()?;
+        let pool = &self.pool;
+        let chunk = (STORE_CHUNK / stride).clamp(1, n.max(1));
+        let table = pool.take_table(chunk)?;
+        let table_dev = table
+            .device_ptr()
+            .ok_or("the descriptor table is not device-mapped")?;
+        let staging = pool.take_staging(chunk * stride)?;
+        let staging_dev = staging.device_ptr().ok_or("staging is not device-mapped")?;
+        let staged = pool.take_device(DESCRIPTOR_BYTES * chunk)?;
+        let event = pool.take_event()?;
+        let stream = pool.take_stream()?;
+        // Nothing to wait for: the descriptors are written before each launch.
+        drop(ReadyFlag(table.as_ptr().cast::<u32>()));
+        Ok(Store {
+            c,
+            chunk,
+            stride,
+            bytes,
+            table: Some(table),
+            table_dev,
+            staging: Some(staging),
+            staging_dev,
+            staged: Some(staged),
+            stream: Some(stream),
+            event,
+            pool: pool.clone(),
+        })
+    }
+}
+
+impl Restore {
+    /// The ticket's event, recorded after the copy: the client's stream
+    /// waits on it. Keep it until the ticket is collected.
+    pub fn event(&self) -> &Arc<PooledEvent> {
+        &self.event
+    }
+
+    /// All staging slots at once (slot k at `k × stride`), with the
+    /// device address of the first.
+    pub fn staging(&mut self) -> (&mut [u8], Option<u64>) {
+        let s = self.staging.as_mut().expect("until finished");
+        let dev = s.device_ptr();
+        (&mut s.as_mut_slice()[..self.n * self.stride], dev)
+    }
+
+    /// Writes the `n` descriptors, `f(i)` the i-th.
+    pub fn describe(&mut self, mut f: impl FnMut(usize) -> Descriptor) {
+        let table = self.table.as_mut().expect("until finished");
+        let descs = &mut table.as_mut_slice()[FLAG_BYTES..FLAG_BYTES + DESCRIPTOR_BYTES * self.n];
+        for (i, d) in descs.chunks_exact_mut(DESCRIPTOR_BYTES).enumerate() {
+            let Descriptor { src, dst } = f(i);
+            d[..8].copy_from_slice(&src.to_le_bytes());
+            d[8..].copy_from_slice(&dst.to_le_bytes());
+        }
+    }
+
+    /// Lets the copy run (sets the flag), waits for it, and gives the
+    /// resources back; the caller's pins may go once this returns.
+    pub fn finish(mut self) -> Result<(), String> {
+        self.ready.set();
+        self.finished = true;
+        let r = self.c.wait_event(&self.event);
+        self.release();
+        r
+    }
+
+    fn release(&mut self) {
+        if let (Some(t), Some(s), Some(d)) =
+            (self.table.take(), self.staging.take(), self.staged.take())
+        {
+            self.pool.give(t, self.own_stream.take(), s, d);
+        }
+    }
+}
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        if !self.finished {
+            // An unfinished restore (its caller failed): let the enqueued
+            // copy run, whatever its table holds, and wait for it before
+            // its memory is reused.
+            self.ready.set();
+            let _ = self.c.wait_event(&self.event);
+            self.release();
+        }
+    }
+}
+
+impl Store {
+    /// Copies a launch moves at most.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// The device address of staging slot `i` (< chunk).
+    pub fn staging_addr(&self, i: usize) -> u64 {
+        self.staging_dev + (i * self.stride) as u64
+    }
+
+    /// The bytes a launch left in staging slot `i`.
+    pub fn staged(&self, i: usize) -> &[u8] {
+        let s = self.staging.as_ref().expect("until dropped");
+        &s.as_slice()[i * self.stride..][..self.bytes as usize]
+    }
+
+    /// Runs the copies `descs` (at most `chunk`) and waits for them.
+    ///
+    /// # Safety
+    /// Every descriptor names `bytes` readable device-visible bytes at
+    /// `src` and writable ones at `dst` (a staging slot, or memory the
+    /// caller holds for writing until this returns), 16-byte aligned.
+    pub unsafe fn launch(&mut self, descs: &[Descriptor]) -> Result<(), String> {
+        assert!(
+            descs.len() <= self.chunk,
+            "a launch of at most chunk copies"
+        );
+        let table = self.table.as_mut().expect("until dropped");
+        for (d, x) in table.as_mut_slice()[FLAG_BYTES..]
+            .chunks_exact_mut(DESCRIPTOR_BYTES)
+            .zip(descs)
+        {
+            d[..8].copy_from_slice(&x.src.to_le_bytes());
+            d[8..].copy_from_slice(&x.dst.to_le_bytes());
+        }
+        // SAFETY: the table, staging and staged descriptors live in `self`
+        // until it drops, after this wait; the descriptors are the
+        // caller's contract; the flag was set when the store was made.
+        unsafe {
+            self.c.enqueue_gather(
+                self.stream.as_ref().expect("until dropped"),
+                self.table_dev,
+                table.as_ptr().add(FLAG_BYTES),
+                self.staged.as_ref().expect("until dropped"),
+                descs.len() as u32,
+                self.bytes,
+                &self.event,
+            )
+        }
+        .and_then(|()| self.c.wait_event(&self.event))
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if let (Some(t), Some(s), Some(d)) =
+            (self.table.take(), self.staging.take(), self.staged.take())
+        {
+            self.pool.give(t, self.stream.take(), s, d);
+        }
+    }
+}
