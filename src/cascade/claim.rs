@@ -1,0 +1,274 @@
+//! Claiming T1 slots for groups, and giving them up.
+//!
+//! A claim takes a free slot nobody pins, or a victim the policy picks
+//! among resident slots with no pin and no lock holder, and returns it
+//! mapped, pinned and write-locked. A dirty victim is marked `Evicting`
+//! and written back outside the state lock before its slot is reused; if
+//! that write fails it stays resident and dirty and the caller gets the
+//! error. A fill that fails abandons its claim: the slot goes back to the
+//! free list and the group reads from the backing as before. `claim_slots`
+//! hands out only free or clean slots and only try-locks them, so holding
+//! many cannot deadlock and dropping them after a failed copy loses nothing.
+
+use super::slots::Pin;
+use super::{Cascade, CascadeError, NO_GROUP, SlotId, SlotState, State};
+use crate::geometry::GroupIndex;
+use parking_lot::RwLockWriteGuard;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// Slots held for writing whole groups in place, by a device or by the
+/// caller (see `Cascade::claim_slots`): each pinned and write-locked until
+/// `commit`, or dropped, which undoes the claims.
+pub struct SlotWrites<'a> {
+    c: &'a Cascade,
+    /// For each batch entry, its index into `held`.
+    of: Vec<Option<u32>>,
+    held: Vec<(GroupIndex, Pin<'a>, RwLockWriteGuard<'a, ()>)>,
+}
+
+impl SlotWrites<'_> {
+    /// Whether entry `i` has a slot here (else the caller writes it through
+    /// `write_groups`).
+    pub fn has(&self, i: usize) -> bool {
+        self.of[i].is_some()
+    }
+
+    /// How many entries have a slot.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The device address of entry `i`'s slot (T1 pinned and mapped).
+    pub fn device_addr(&self, i: usize) -> Option<u64> {
+        let h = self.of[i]? as usize;
+        self.c.slot_device_ptr(self.held[h].1.slot)
+    }
+
+    /// Entry `i`'s group bytes, for the caller to fill.
+    pub fn bytes_mut(&mut self, i: usize) -> Option<&mut [u8]> {
+        let h = self.of[i]? as usize;
+        let gb = self.c.layout.group_bytes() as usize;
+        // SAFETY: we hold the slot's write lock for as long as self lives,
+        // and the &mut self borrow makes this the only view of it.
+        Some(&mut unsafe { self.c.slot_bytes_mut(self.held[h].1.slot) }[..gb])
+    }
+
+    /// Every held slot was written in full: they become their groups'
+    /// (dirty) contents.
+    pub fn commit(mut self) {
+        let n = self.held.len() as u64;
+        for (_, pin, guard) in self.held.drain(..) {
+            self.c.set_dirty(pin.slot);
+            drop(guard);
+            drop(pin);
+        }
+        self.c
+            .counters
+            .t1_write_bytes
+            .fetch_add(n * self.c.layout.group_bytes(), Ordering::Relaxed);
+    }
+}
+
+impl Drop for SlotWrites<'_> {
+    /// Not committed (the copy failed): the held slots hold unknown bytes.
+    /// Each was free or held a clean group, so it goes back to the free
+    /// list and its group reads from the backing, as before: nothing lost.
+    fn drop(&mut self) {
+        for (g, pin, guard) in self.held.drain(..) {
+            self.c.abandon(g, pin, guard);
+        }
+    }
+}
+
+pub(super) enum Claim<'a> {
+    /// The group got this slot, mapped, pinned and write-locked; the caller
+    /// fills it.
+    Got(Pin<'a>, RwLockWriteGuard<'a, ()>),
+    /// Someone else mapped the group meanwhile: retry as a hit.
+    Mapped,
+}
+
+impl Cascade {
+    // Kept whole: every retry of the loop re-takes the state lock and looks afresh.
+    /// Finds a slot for `g`: a free one, or a victim (written back first if
+    /// dirty). Returns it mapped to `g`, pinned and write-locked.
+    pub(super) fn claim(&self, g: GroupIndex) -> Result<Claim<'_>, CascadeError> {
+        loop {
+            let mut st = self.state.lock();
+            if st.map.contains_key(&g) {
+                return Ok(Claim::Mapped);
+            }
+            if st.free.is_empty() {
+                self.adopt_chunks(&mut st);
+            }
+            // A free slot nobody pins: nobody holds or waits for its lock.
+            if let Some(pos) = st
+                .free
+                .iter()
+                .rposition(|s| self.pins[s.0 as usize].load(Ordering::Acquire) == 0)
+            {
+                let s = st.free[pos];
+                if let Some(guard) = self.slot_locks[s.0 as usize].try_write() {
+                    st.free.swap_remove(pos);
+                    self.install(&mut st, s, g);
+                    return Ok(Claim::Got(self.pin_now(s), guard));
+                }
+            }
+            let pins = &self.pins;
+            let locks = &self.slot_locks;
+            let victim = {
+                let State {
+                    policy, slot_state, ..
+                } = &mut *st;
+                policy.victim(&mut |s| {
+                    slot_state[s.0 as usize] == SlotState::Resident
+                        && pins[s.0 as usize].load(Ordering::Acquire) == 0
+                        && !locks[s.0 as usize].is_locked()
+                })
+            };
+            let Some(v) = victim else {
+                // Every slot is pinned or being evicted: wait for a change.
+                self.changed.wait_for(&mut st, Duration::from_millis(1));
+                continue;
+            };
+            let Some(guard) = self.slot_locks[v.0 as usize].try_write() else {
+                continue;
+            };
+            let old = GroupIndex(self.tags[v.0 as usize].load(Ordering::Acquire));
+            if !self.dirty[v.0 as usize].load(Ordering::Acquire) {
+                st.map.remove(&old);
+                st.policy.remove(v);
+                self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+                self.install(&mut st, v, g);
+                return Ok(Claim::Got(self.pin_now(v), guard));
+            }
+            // Dirty victim: write it back outside the state lock.
+            let pin = self.pin_now(v);
+            st.slot_state[v.0 as usize] = SlotState::Evicting;
+            drop(st);
+            // SAFETY: we hold v's write lock (guard).
+            let r = self.write_back(old, unsafe { self.slot_bytes(v) });
+            let mut st = self.state.lock();
+            if let Err(e) = r {
+                st.slot_state[v.0 as usize] = SlotState::Resident;
+                drop(guard);
+                drop(st);
+                drop(pin);
+                return Err(e);
+            }
+            self.clear_dirty(v);
+            st.map.remove(&old);
+            st.policy.remove(v);
+            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+            if st.map.contains_key(&g) {
+                self.free_slot(&mut st, v);
+                drop(guard);
+                drop(st);
+                drop(pin);
+                self.changed.notify_all();
+                return Ok(Claim::Mapped);
+            }
+            self.install(&mut st, v, g);
+            return Ok(Claim::Got(pin, guard));
+        }
+    }
+
+    /// Maps `g` to `s`, whose write lock the caller holds.
+    fn install(&self, st: &mut State, s: SlotId, g: GroupIndex) {
+        self.tags[s.0 as usize].store(g.0, Ordering::Release);
+        st.map.insert(g, s);
+        st.slot_state[s.0 as usize] = SlotState::Resident;
+        st.policy.insert(s);
+    }
+
+    /// Puts `s`, unmapped and untracked, on the free list; the caller holds
+    /// its write lock.
+    fn free_slot(&self, st: &mut State, s: SlotId) {
+        self.tags[s.0 as usize].store(NO_GROUP, Ordering::Release);
+        st.slot_state[s.0 as usize] = SlotState::Free;
+        st.free.push(s);
+    }
+
+    /// Undoes a claim whose fill failed: the slot goes back to the free list.
+    pub(super) fn abandon(&self, g: GroupIndex, pin: Pin<'_>, guard: RwLockWriteGuard<'_, ()>) {
+        let s = pin.slot;
+        let mut st = self.state.lock();
+        st.map.remove(&g);
+        st.policy.remove(s);
+        self.free_slot(&mut st, s);
+        drop(st);
+        drop(guard);
+        drop(pin);
+    }
+
+    // Kept whole: one pass under one state-lock acquisition, which a split would break up.
+    /// Slots to write whole groups into in place (a GPU STORE writes them
+    /// with one kernel launch, no host copy). Entry i gets a slot if its
+    /// group is in T1 and clean (its own slot), or not in T1 while a free
+    /// slot is left (claimed and mapped to it); with `device`, only slots
+    /// T1 has device-mapped. A dirty group, a busy slot (only try-locks are
+    /// taken, so holding many can never deadlock) or no free slot: no slot,
+    /// and the caller writes that entry through `write_groups`. Because a
+    /// held slot is free or clean, dropping the claims after a failed copy
+    /// loses nothing. `groups` must be distinct and in range.
+    pub fn claim_slots(&self, groups: &[GroupIndex], device: bool) -> SlotWrites<'_> {
+        let mut w = SlotWrites {
+            c: self,
+            of: vec![None; groups.len()],
+            held: Vec::with_capacity(groups.len()),
+        };
+        let mut fresh = Vec::new();
+        {
+            let mut st = self.state.lock();
+            if st.free.len() < groups.len() {
+                self.adopt_chunks(&mut st);
+            }
+            for (i, &g) in groups.iter().enumerate() {
+                debug_assert!(g.0 < self.layout.group_count());
+                let (s, guard) = match st.map.get(&g) {
+                    Some(&s) => {
+                        let i = s.0 as usize;
+                        if self.dirty[i].load(Ordering::Acquire)
+                            || st.slot_state[i] != SlotState::Resident
+                            || (device && self.slot_device_ptr(s).is_none())
+                        {
+                            continue;
+                        }
+                        let Some(guard) = self.slot_locks[i].try_write() else {
+                            continue;
+                        };
+                        st.policy.touch(s);
+                        (s, guard)
+                    }
+                    None => {
+                        let Some(&s) = st.free.last() else { continue };
+                        if self.pins[s.0 as usize].load(Ordering::Acquire) != 0
+                            || (device && self.slot_device_ptr(s).is_none())
+                        {
+                            continue;
+                        }
+                        let Some(guard) = self.slot_locks[s.0 as usize].try_write() else {
+                            continue;
+                        };
+                        st.free.pop();
+                        self.install(&mut st, s, g);
+                        fresh.push(s);
+                        (s, guard)
+                    }
+                };
+                w.of[i] = Some(w.held.len() as u32);
+                w.held.push((g, self.pin_now(s), guard));
+            }
+        }
+        let gb = self.layout.group_bytes() as usize;
+        if self.layout.stride() as usize > gb {
+            for s in fresh {
+                // SAFETY: we hold s's write lock (in w.held).
+                let slot = unsafe { self.slot_bytes_mut(s) };
+                slot[gb..].fill(0);
+            }
+        }
+        w
+    }
+}

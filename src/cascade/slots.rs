@@ -1,0 +1,267 @@
+//! T1's memory and the pins on its slots.
+//!
+//! T1 is `HostBuf` chunks cut into `stride`-sized slots (aligned for
+//! O_DIRECT, so write-back and fills go straight from and into slots); a
+//! slot is reachable (on the free list) only once its chunk has arrived.
+//! Copies run under a per-slot RwLock, taken only by a thread that holds a
+//! pin on the slot, and pins are only added under the state lock: so under
+//! that lock a slot with no pins has no lock holder, and is the only kind
+//! of slot that may be chosen as a victim or reused. A copy out of a slot
+//! holds its read lock and a reuse needs its write lock, so a slot is never
+//! overwritten under a reader. A holder of several slot locks takes them in
+//! ascending slot order, so waits cannot form a cycle.
+
+use super::{Cascade, SlotId, SlotState, State};
+use crate::geometry::GroupIndex;
+use crate::gpu::HostBuf;
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+use std::sync::mpsc;
+
+/// T1's memory: chunks of slots, adopted as the background allocator
+/// delivers them. A slot is reachable (on the free list) only once its
+/// chunk's base is set, so `slot_ptr` never sees a missing chunk.
+pub(super) struct Arena {
+    pub(super) per_chunk: u32,
+    pub(super) bases: Box<[AtomicPtr<u8>]>,
+    /// Each chunk's device address (0: not arrived, or not device-mapped),
+    /// stored before its slots become free.
+    pub(super) dev_bases: Box<[AtomicU64]>,
+    pub(super) owned: Mutex<Vec<HostBuf>>,
+    pub(super) incoming: Mutex<Option<mpsc::Receiver<(usize, HostBuf)>>>,
+    pub(super) ready_slots: AtomicU64,
+}
+
+/// A pin on a slot, dropped when the copy or fill that needed it is done.
+pub(super) struct Pin<'a> {
+    c: &'a Cascade,
+    pub(super) slot: SlotId,
+}
+
+impl Drop for Pin<'_> {
+    fn drop(&mut self) {
+        if self.c.pins[self.slot.0 as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.c.changed.notify_all();
+        }
+    }
+}
+
+/// Slots held for device copies (see `Cascade::pin_for_device`): each
+/// slot in `locked` read-locked once, each entry of `pinned` one pin.
+pub struct DevicePins<'a> {
+    c: &'a Cascade,
+    locked: Vec<u32>,
+    pinned: Vec<(u32, u32)>,
+}
+
+impl Drop for DevicePins<'_> {
+    fn drop(&mut self) {
+        // Locks before pins, as everywhere.
+        for &s in &self.locked {
+            // SAFETY: pin_for_device took exactly one read lock on each of
+            // these slots and forgot its guard.
+            unsafe { self.c.slot_locks[s as usize].force_unlock_read() };
+        }
+        let mut freed = false;
+        for &(s, _) in &self.pinned {
+            freed |= self.c.pins[s as usize].fetch_sub(1, Ordering::AcqRel) == 1;
+        }
+        if freed {
+            self.c.changed.notify_all();
+        }
+    }
+}
+
+impl Cascade {
+    // ---- slot memory -------------------------------------------------
+
+    fn slot_ptr(&self, s: SlotId) -> *mut u8 {
+        debug_assert!(s.0 < self.n_slots);
+        let a = &self.arena;
+        let base = a.bases[(s.0 / a.per_chunk) as usize].load(Ordering::Acquire);
+        debug_assert!(
+            !base.is_null(),
+            "slot {} used before its chunk arrived",
+            s.0
+        );
+        // SAFETY: the slot's chunk is allocated (slots reach the free list
+        // only after their chunk's base is set) and the offset is inside it.
+        unsafe { base.add((s.0 % a.per_chunk) as usize * self.layout.stride() as usize) }
+    }
+
+    /// Takes in the T1 chunks the background allocator has finished.
+    pub(super) fn adopt_chunks(&self, st: &mut State) {
+        let a = &self.arena;
+        let Some(mut guard) = a.incoming.try_lock() else {
+            return;
+        };
+        let Some(rx) = guard.as_ref() else { return };
+        loop {
+            match rx.try_recv() {
+                Ok((i, buf)) => {
+                    a.bases[i].store(buf.as_ptr(), Ordering::Release);
+                    a.dev_bases[i].store(buf.device_ptr().unwrap_or(0), Ordering::Release);
+                    let first = i as u32 * a.per_chunk;
+                    let n = (buf.len() as u64 / self.layout.stride()) as u32;
+                    st.free.extend((first..first + n).rev().map(SlotId));
+                    a.ready_slots.fetch_add(n as u64, Ordering::Relaxed);
+                    a.owned.lock().push(buf);
+                }
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    *guard = None;
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Slots whose memory has arrived (all of T1 once the background
+    /// allocation is done).
+    pub fn t1_ready_slots(&self) -> u64 {
+        self.adopt_chunks(&mut self.state.lock());
+        self.arena.ready_slots.load(Ordering::Relaxed)
+    }
+
+    /// The device address of slot `s` where T1 is pinned and mapped.
+    pub fn slot_device_ptr(&self, s: SlotId) -> Option<u64> {
+        let a = &self.arena;
+        let base = a.dev_bases[(s.0 / a.per_chunk) as usize].load(Ordering::Acquire);
+        (base != 0).then(|| base + (s.0 % a.per_chunk) as u64 * self.layout.stride())
+    }
+
+    /// # Safety
+    /// The caller holds slot `s`'s lock (read or write) for as long as the
+    /// returned slice lives.
+    pub(super) unsafe fn slot_bytes(&self, s: SlotId) -> &[u8] {
+        // SAFETY: in bounds (slot_ptr); the caller's lock excludes writers.
+        unsafe { std::slice::from_raw_parts(self.slot_ptr(s), self.layout.stride() as usize) }
+    }
+
+    /// # Safety
+    /// The caller holds slot `s`'s write lock for as long as the returned
+    /// slice lives.
+    #[expect(
+        clippy::mut_from_ref,
+        reason = "exclusivity comes from the slot's write lock"
+    )]
+    pub(super) unsafe fn slot_bytes_mut(&self, s: SlotId) -> &mut [u8] {
+        // SAFETY: in bounds (slot_ptr); the write lock makes this the only
+        // reference to the slot's bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(s), self.layout.stride() as usize) }
+    }
+
+    pub(super) fn set_dirty(&self, s: SlotId) {
+        if !self.dirty[s.0 as usize].swap(true, Ordering::AcqRel) {
+            self.counters.dirty_slots.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub(super) fn clear_dirty(&self, s: SlotId) {
+        if self.dirty[s.0 as usize].swap(false, Ordering::AcqRel) {
+            self.counters.dirty_slots.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    // ---- pins --------------------------------------------------------
+
+    /// Pins the slot holding `g`, if any (and tells the policy of the hit).
+    pub(super) fn pin_resident(&self, g: GroupIndex, touch: bool) -> Option<Pin<'_>> {
+        let mut st = self.state.lock();
+        let s = *st.map.get(&g)?;
+        self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+        if touch && st.slot_state[s.0 as usize] == SlotState::Resident {
+            st.policy.touch(s);
+        }
+        Some(Pin { c: self, slot: s })
+    }
+
+    /// `pin_resident` for many groups under one acquisition of the state
+    /// lock (a batch of 1024 would otherwise take it 1024 times).
+    pub(super) fn pin_resident_many(&self, groups: &[GroupIndex]) -> Vec<Option<Pin<'_>>> {
+        let mut st = self.state.lock();
+        groups
+            .iter()
+            .map(|g| {
+                let s = *st.map.get(g)?;
+                self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+                if st.slot_state[s.0 as usize] == SlotState::Resident {
+                    st.policy.touch(s);
+                }
+                Some(Pin { c: self, slot: s })
+            })
+            .collect()
+    }
+
+    /// Whether every group of `groups` is in T1 right now (one acquisition
+    /// of the state lock; the answer may be stale as soon as it returns).
+    pub fn all_resident(&self, groups: impl IntoIterator<Item = GroupIndex>) -> bool {
+        let st = self.state.lock();
+        groups.into_iter().all(|g| st.map.contains_key(&g))
+    }
+
+    pub(super) fn holds(&self, s: SlotId, g: GroupIndex) -> bool {
+        self.tags[s.0 as usize].load(Ordering::Acquire) == g.0
+    }
+
+    /// Pins `s`; the caller holds the state lock (pins are only added under it).
+    pub(super) fn pin_now(&self, s: SlotId) -> Pin<'_> {
+        self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+        Pin { c: self, slot: s }
+    }
+
+    /// Pins and read-locks the T1 slots of those `groups` that are
+    /// resident, for copies the GPU makes straight out of them: returns each
+    /// group's slot device address (None where the group is not in T1 or
+    /// T1 is not device-mapped). The slots cannot be written, evicted or
+    /// reused until the returned guard drops.
+    pub fn pin_for_device(&self, groups: &[GroupIndex]) -> (Vec<Option<u64>>, DevicePins<'_>) {
+        // Pin first, then lock in ascending slot order, each slot once: every
+        // holder of several slot locks (this, sync_all) takes them in that
+        // order, so waits cannot form a cycle even with queued writers.
+        // Slots and indexes as plain u32 pairs: a batch of 4096 costs tens
+        // of microseconds here, and every byte moved counts.
+        let mut pinned: Vec<(u32, u32)> = Vec::with_capacity(groups.len());
+        {
+            let mut st = self.state.lock();
+            for (i, g) in groups.iter().enumerate() {
+                let Some(&s) = st.map.get(g) else { continue };
+                self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+                if st.slot_state[s.0 as usize] == SlotState::Resident {
+                    st.policy.touch(s);
+                }
+                pinned.push((s.0, i as u32));
+            }
+        }
+        pinned.sort_unstable();
+        let mut addrs = vec![None; groups.len()];
+        let mut locked: Vec<u32> = Vec::with_capacity(pinned.len());
+        let mut hits = 0;
+        for &(s, i) in &pinned {
+            if locked.last() != Some(&s) {
+                // Released by DevicePins::drop.
+                std::mem::forget(self.slot_locks[s as usize].read());
+                locked.push(s);
+            }
+            if self.holds(SlotId(s), groups[i as usize])
+                && let Some(d) = self.slot_device_ptr(SlotId(s))
+            {
+                addrs[i as usize] = Some(d);
+                hits += 1;
+            }
+        }
+        // Once per batch: these counters are shared by every thread.
+        self.counters.hits.fetch_add(hits, Ordering::Relaxed);
+        self.counters
+            .t1_read_bytes
+            .fetch_add(hits * self.layout.group_bytes(), Ordering::Relaxed);
+        (
+            addrs,
+            DevicePins {
+                c: self,
+                locked,
+                pinned,
+            },
+        )
+    }
+}
