@@ -29,7 +29,7 @@ from kvfs_client import Kvfs  # noqa: E402
 
 
 WAIT_S = 60  # a ticket that takes longer than this is a failure, not a wait
-STORE_CHUNK = 16 << 20  # the daemon's staging per GPU store launch (GPU_STORE_CHUNK)
+STORE_CHUNK = 16 << 20  # the daemon's staging per GPU store launch (gpu::engine::STORE_CHUNK)
 
 
 def log(*a):

@@ -439,22 +439,6 @@ impl Cascade {
         self.n_slots
     }
 
-    /// The geometry plus T1 size, tier and policy, as one JSON object
-    /// (`.kvfs/layout`, the control file's HELLO).
-    pub fn describe_json(&self) -> String {
-        let l = &self.layout;
-        let json = l.to_json();
-        format!(
-            "{},\"t1_bytes\":{},\"t1_slots\":{},\"tier\":\"{}\",\"policy\":\"{}\",\"t1_pinned\":{}}}",
-            &json[..json.len() - 1],
-            self.n_slots as u64 * l.stride(),
-            self.n_slots,
-            self.tier_name(),
-            self.policy_name(),
-            self.slot_device_ptr(SlotId(0)).is_some()
-        )
-    }
-
     fn stripe(&self, g: GroupIndex) -> MutexGuard<'_, ()> {
         self.stripes[(g.0 % STRIPES as u64) as usize].lock()
     }

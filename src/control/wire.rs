@@ -632,6 +632,33 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    #[test]
+    fn the_layout_json_names_every_field_and_reads_back() {
+        let l = GroupLayout::preset("llama-3.1-8b", 4096, 16).unwrap();
+        let m = MountLayout::new(&l, 1000, "uring", "sieve", false);
+        let json = m.to_json();
+        for field in [
+            "\"layers\":32",
+            "\"blocks\":4096",
+            "\"kv_heads\":8",
+            "\"block_tokens\":16",
+            "\"head_dim\":128",
+            "\"dtype\":\"bf16\"",
+            "\"group_bytes\":4096",
+            "\"stride\":4096",
+            "\"groups\":2097152",
+            "\"t1_bytes\":4096000",
+            "\"t1_slots\":1000",
+            "\"tier\":\"uring\"",
+            "\"policy\":\"sieve\"",
+            "\"t1_pinned\":false",
+        ] {
+            assert!(json.contains(field), "{field} missing from {json}");
+        }
+        assert_eq!(MountLayout::from_json(&json).unwrap(), m);
+        assert!(MountLayout::from_json("{\"layers\":1}").is_err());
+    }
+
     fn key_strategy() -> impl Strategy<Value = RawKey> {
         (any::<u32>(), any::<u64>(), any::<u32>(), 0u32..3).prop_map(
             |(layer, block, head, kind)| RawKey {

@@ -142,7 +142,7 @@ impl KvFs {
     }
 
     fn render_layout(&self) -> String {
-        format!("{}\n", self.cascade.describe_json())
+        format!("{}\n", self.control.layout().to_json())
     }
 
     /// Opens a node other than a group file: a `.kvfs/` file, or a

@@ -370,22 +370,6 @@ impl GroupLayout {
             self.group_count()
         )
     }
-
-    /// The layout as a JSON object (for `.kvfs/layout` and tools).
-    pub fn to_json(&self) -> String {
-        format!(
-            "{{\"layers\":{},\"blocks\":{},\"kv_heads\":{},\"block_tokens\":{},\"head_dim\":{},\"dtype\":\"{}\",\"group_bytes\":{},\"stride\":{},\"groups\":{}}}",
-            self.layers,
-            self.blocks,
-            self.kv_heads,
-            self.block_tokens,
-            self.head_dim,
-            self.dtype,
-            self.group_bytes(),
-            self.stride(),
-            self.group_count()
-        )
-    }
 }
 
 impl fmt::Display for GroupLayout {

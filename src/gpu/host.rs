@@ -1,3 +1,6 @@
+//! `HostBuf`: page-aligned host memory that never moves, pinned and
+//! device-mapped where a CUDA driver is present (see the module note).
+
 use std::io;
 use std::ptr::NonNull;
 

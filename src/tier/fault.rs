@@ -1,3 +1,8 @@
+//! A fault-injecting wrapper over any tier, for tests: EIO or ENOSPC on
+//! chosen operations (reads, writes, syncs), armed and cleared at will,
+//! so the cascade's error paths run without a failing disk. The wrapped
+//! tier's bytes are never changed; a fault fails the operation whole.
+
 use super::{Op, ReadOp, Tier, TierError, WriteOp};
 use crate::geometry::{GroupIndex, GroupLayout};
 use parking_lot::Mutex;

@@ -1,3 +1,6 @@
+//! The `file` tier: pread/pwrite on the sparse data file, one call per
+//! transfer. Portable and simple; the baseline the `uring` tier must beat.
+
 use super::{Op, ReadOp, Tier, TierError, WriteOp, check_op};
 use crate::geometry::GroupLayout;
 use std::fs::{File, OpenOptions};

@@ -1,3 +1,6 @@
+//! The in-memory tier, for tests: no disk quirks, and a way to corrupt a
+//! stored group on purpose to prove checksums are checked.
+
 use super::{ReadOp, Tier, TierError, WriteOp, check_op};
 use crate::geometry::{GroupIndex, GroupLayout};
 use parking_lot::Mutex;

@@ -1,3 +1,8 @@
+//! The `uring` tier: io_uring with O_DIRECT, many transfers in flight.
+//! Buffers are owned by the caller for the whole call and every submitted
+//! transfer is reaped before it returns, so the kernel never holds memory
+//! past its owner's life; a short transfer is an error, never data.
+
 use super::{Op, ReadOp, Tier, TierError, WriteOp, check_op};
 use crate::geometry::{GroupIndex, GroupLayout};
 use io_uring::{IoUring, opcode, types};
