@@ -102,6 +102,7 @@ impl CascadeError {
                 TierError::Io { source, .. } | TierError::Sync(source) => {
                     source.raw_os_error().unwrap_or(libc::EIO)
                 }
+                TierError::Remote { errno, .. } | TierError::RemoteSync { errno, .. } => *errno,
                 TierError::Short { .. } => libc::EIO,
                 TierError::OutOfRange { .. } => libc::EINVAL,
                 TierError::BadBuffer { .. } => libc::EINVAL,

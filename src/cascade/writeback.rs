@@ -26,13 +26,22 @@ impl Cascade {
         }
     }
 
+    /// The generation a group with metadata `m` has once written back
+    /// (kept mod 2^32 in the metadata).
+    fn next_generation(m: &GroupMeta) -> u64 {
+        (m.generation + 1) & 0xffff_ffff
+    }
+
     /// Writes `bytes` (a slot) back as `g` and records its checksum.
     /// The caller holds the slot's lock; this takes `g`'s stripe.
     pub(super) fn write_back(&self, g: GroupIndex, bytes: &[u8]) -> Result<(), CascadeError> {
         let _io = self.stripe(g);
         let m = self.meta.get(g.0);
         let target = Self::target_copy(&m);
-        if let Err(e) = self.tier.write_one(copy_index(g, target), bytes) {
+        if let Err(e) = self
+            .tier
+            .write_one(copy_index(g, target), bytes, Self::next_generation(&m))
+        {
             self.counters
                 .write_back_failures
                 .fetch_add(1, Ordering::Relaxed);
@@ -52,7 +61,7 @@ impl Cascade {
             durable_crc: old.durable_crc,
             epoch: self.epoch,
             crc: crc32c::crc32c(&bytes[..self.layout.group_bytes() as usize]),
-            generation: (old.generation + 1) & 0xffff_ffff,
+            generation: Self::next_generation(old),
         };
         self.meta.set(g.0, new);
         {
@@ -204,6 +213,7 @@ impl Cascade {
                     index: copy_index(g, Self::target_copy(m)),
                     // SAFETY: we hold s's read lock (guards) until after the batch.
                     buf: unsafe { self.slot_bytes(s) },
+                    generation: Self::next_generation(m),
                 })
                 .collect();
             let results = self.tier.write_batch(&ops);

@@ -164,6 +164,7 @@ impl<T: Tier> Tier for FaultTier<T> {
                     WriteOp {
                         index: op.index,
                         buf: op.buf,
+                        generation: op.generation,
                     },
                 )
             })
@@ -209,10 +210,12 @@ mod tests {
             WriteOp {
                 index: GroupIndex(1),
                 buf: b.as_slice(),
+                generation: 1,
             },
             WriteOp {
                 index: GroupIndex(2),
                 buf: b.as_slice(),
+                generation: 1,
             },
         ]);
         assert!(r[0].is_ok());

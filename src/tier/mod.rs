@@ -70,6 +70,17 @@ pub enum TierError {
     },
     #[error("backing sync failed: {0}")]
     Sync(#[source] io::Error),
+    /// A remote tier's failure: the server refused (OOM: ENOSPC), could
+    /// not be reached or timed out (EIO), or its value failed its checks.
+    #[error("remote {op} of group {index} failed: {message}")]
+    Remote {
+        op: Op,
+        index: GroupIndex,
+        errno: i32,
+        message: String,
+    },
+    #[error("remote sync failed: {message}")]
+    RemoteSync { errno: i32, message: String },
 }
 
 impl TierError {
@@ -77,6 +88,7 @@ impl TierError {
     pub fn os_error(&self) -> Option<i32> {
         match self {
             TierError::Io { source, .. } | TierError::Sync(source) => source.raw_os_error(),
+            TierError::Remote { errno, .. } | TierError::RemoteSync { errno, .. } => Some(*errno),
             TierError::Short { .. }
             | TierError::OutOfRange { .. }
             | TierError::BadBuffer { .. } => None,
@@ -91,9 +103,12 @@ pub struct ReadOp<'a> {
 }
 
 /// One group to write; `buf` is `stride` bytes aligned to `IO_ALIGN`.
+/// `generation` is the group's write-back count after this write: tiers
+/// that keep a header with each value (`redis`) record it; others ignore it.
 pub struct WriteOp<'a> {
     pub index: GroupIndex,
     pub buf: &'a [u8],
+    pub generation: u64,
 }
 
 /// A backing tier.
@@ -110,15 +125,23 @@ pub trait Tier: Send + Sync {
     fn write_batch(&self, ops: &[WriteOp<'_>]) -> Vec<Result<(), TierError>>;
     fn sync(&self) -> Result<(), TierError>;
 
+    /// Appends the tier's own metrics (a remote tier's connections,
+    /// errors, round trips) to a Prometheus exposition; most have none.
+    fn render_stats(&self, _e: &mut crate::stats::Exposition) {}
+
     fn read_one(&self, index: GroupIndex, buf: &mut [u8]) -> Result<(), TierError> {
         let mut ops = [ReadOp { index, buf }];
         self.read_batch(&mut ops).pop().expect("one result per op")
     }
 
-    fn write_one(&self, index: GroupIndex, buf: &[u8]) -> Result<(), TierError> {
-        self.write_batch(&[WriteOp { index, buf }])
-            .pop()
-            .expect("one result per op")
+    fn write_one(&self, index: GroupIndex, buf: &[u8], generation: u64) -> Result<(), TierError> {
+        self.write_batch(&[WriteOp {
+            index,
+            buf,
+            generation,
+        }])
+        .pop()
+        .expect("one result per op")
     }
 }
 
@@ -138,6 +161,9 @@ impl<T: Tier + ?Sized> Tier for std::sync::Arc<T> {
     }
     fn sync(&self) -> Result<(), TierError> {
         (**self).sync()
+    }
+    fn render_stats(&self, e: &mut crate::stats::Exposition) {
+        (**self).render_stats(e)
     }
 }
 
@@ -248,6 +274,7 @@ mod tests {
             .map(|i| WriteOp {
                 index: GroupIndex(i as u64),
                 buf: &src.as_slice()[i * stride..(i + 1) * stride],
+                generation: 1,
             })
             .collect();
         assert!(tier.write_batch(&writes).iter().all(|r| r.is_ok()));
@@ -305,7 +332,7 @@ mod tests {
         b.as_mut_slice().fill(0xab);
         UringTier::open(&p, l, 8)
             .unwrap()
-            .write_one(GroupIndex(5), b.as_slice())
+            .write_one(GroupIndex(5), b.as_slice(), 1)
             .unwrap();
         let raw = std::fs::read(&p).unwrap();
         let off = l.offset(GroupIndex(5)) as usize;
