@@ -37,6 +37,7 @@ fn open(dir: &Path, tier: TierKind, layout: GroupLayout, c: CascadeConfig) -> Ca
             layout: Some(layout),
             tier,
             queue_depth: 8,
+            remote: None,
         },
         c,
     )
@@ -741,7 +742,45 @@ fn bcfg(dir: &Path, layout: Option<GroupLayout>) -> BackingConfig {
         layout,
         tier: TierKind::File,
         queue_depth: 4,
+        remote: None,
     }
+}
+
+#[test]
+fn a_version_2_store_gets_a_uuid_and_keeps_its_groups() {
+    let layout = small_layout();
+    let gb = layout.group_bytes() as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let k = Cascade::open(&bcfg(dir.path(), Some(layout)), CascadeConfig::default()).unwrap();
+    k.write(GroupIndex(3), 0, &pattern(3, gb)).unwrap();
+    drop(k);
+    // Turn the superblock into the version-2 form: no uuid, the checksum
+    // over the first 48 bytes.
+    let sb = dir.path().join("superblock");
+    let mut b = std::fs::read(&sb).unwrap();
+    assert_eq!(u32::from_le_bytes(b[8..12].try_into().unwrap()), 3);
+    b[8..12].copy_from_slice(&2u32.to_le_bytes());
+    b[48..].fill(0);
+    let crc = crc32c::crc32c(&b[..48]);
+    b[48..52].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&sb, &b).unwrap();
+    let k = Cascade::open(&bcfg(dir.path(), None), CascadeConfig::default()).unwrap();
+    let mut out = vec![0; gb];
+    k.read(GroupIndex(3), 0, &mut out).unwrap();
+    assert_eq!(out, pattern(3, gb));
+    drop(k);
+    let b = std::fs::read(&sb).unwrap();
+    assert_eq!(u32::from_le_bytes(b[8..12].try_into().unwrap()), 3);
+    assert_ne!(&b[48..64], &[0u8; 16], "the upgrade draws a uuid");
+    // A local store refuses the remote tier, with both named.
+    let mut c = bcfg(dir.path(), None);
+    c.tier = TierKind::Redis;
+    let e = Cascade::open(&c, CascadeConfig::default()).err().unwrap();
+    let msg = format!("{e:#}");
+    assert!(
+        msg.contains("local data file") && msg.contains("redis"),
+        "{msg}"
+    );
 }
 
 #[test]

@@ -122,13 +122,9 @@ fn run_tier(tier: &dyn Tier, queue_depth: u32, seconds: f64) -> anyhow::Result<f
 }
 
 fn run_fio(b: &BackingBench, path: &std::path::Path, direct: bool) -> anyhow::Result<Option<f64>> {
-    let engine = match b.tier {
-        TierKind::Uring => "io_uring",
-        TierKind::File => "psync",
-    };
-    let depth = match b.tier {
-        TierKind::Uring => b.queue_depth,
-        TierKind::File => 1,
+    let (engine, depth) = match b.tier {
+        TierKind::Uring => ("io_uring", b.queue_depth),
+        _ => ("psync", 1),
     };
     let out = Command::new("fio")
         .arg("--name=kvfs-bench")
@@ -167,6 +163,9 @@ fn run_fio(b: &BackingBench, path: &std::path::Path, direct: bool) -> anyhow::Re
 }
 
 pub fn run(b: &BackingBench) -> anyhow::Result<BackingResult> {
+    if b.tier == TierKind::Redis {
+        bail!("the redis tier's bench needs --remote URL");
+    }
     let layout = bench_layout(b.group_bytes, b.file_bytes)?;
     std::fs::create_dir_all(&b.dir)
         .with_context(|| format!("cannot create {}", b.dir.display()))?;
@@ -180,6 +179,7 @@ pub fn run(b: &BackingBench) -> anyhow::Result<BackingResult> {
             (Box::new(t), d)
         }
         TierKind::File => (Box::new(FileTier::open(&path, layout)?), false),
+        TierKind::Redis => bail!("the redis tier's bench needs --remote URL"),
     };
     let depth = if b.tier == TierKind::Uring {
         b.queue_depth

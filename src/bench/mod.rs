@@ -24,6 +24,7 @@ pub fn scratch_cascade(
             layout: Some(layout),
             tier: crate::tier::TierKind::Uring,
             queue_depth: crate::tier::DEFAULT_QUEUE_DEPTH,
+            remote: None,
         },
         CascadeConfig {
             t1_bytes: t1_groups * layout.stride(),

@@ -299,6 +299,8 @@ pub struct Cascade {
     crashed: bool,
     /// The backing directory's flock, released after the final flush.
     store_lock: Option<std::fs::File>,
+    /// What opening the backing found worth telling the operator.
+    notes: Vec<String>,
 }
 impl Cascade {
     /// Opens a backing directory and puts a T1 over it.
@@ -306,6 +308,7 @@ impl Cascade {
         let b = Backing::open(backing)?;
         let mut c = Cascade::new(b.layout, b.tier, b.meta, cfg)?;
         c.epoch = b.epoch;
+        c.notes = b.notes;
         // The store stays locked for as long as the cascade lives.
         c.store_lock = Some(b.lock);
         Ok(c)
@@ -421,6 +424,7 @@ impl Cascade {
             epoch: 1,
             crashed: false,
             store_lock: None,
+            notes: Vec::new(),
         })
     }
 
@@ -434,6 +438,23 @@ impl Cascade {
 
     pub fn policy_name(&self) -> &'static str {
         self.state.lock().policy.name()
+    }
+
+    /// Warnings from opening the backing (a remote server that persists
+    /// nothing, say), for the operator.
+    pub fn notes(&self) -> &[String] {
+        &self.notes
+    }
+
+    /// The remote tier's servers, as the operator named them; None for a
+    /// local tier.
+    pub fn tier_remote(&self) -> Option<String> {
+        self.tier.remote()
+    }
+
+    /// Appends the tier's own metrics (remote tiers) to an exposition.
+    pub fn render_tier_stats(&self, e: &mut crate::stats::Exposition) {
+        self.tier.render_stats(e)
     }
 
     pub fn t1_slots(&self) -> u32 {

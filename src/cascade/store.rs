@@ -8,9 +8,10 @@
 
 use super::meta::{META_RECORD_BYTES, MetaTable};
 use crate::geometry::{
-    GroupLayout, SUPERBLOCK_BYTES, SuperblockError, decode_superblock, encode_superblock,
+    GroupLayout, Location, SUPERBLOCK_BYTES, Superblock, SuperblockError, decode_superblock,
+    encode_superblock,
 };
-use crate::tier::{Tier, TierKind, open_tier};
+use crate::tier::{RemoteConfig, Tier, TierKind, open_tier};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::fd::AsRawFd;
@@ -45,6 +46,32 @@ pub enum StoreError {
     Busy { dir: PathBuf },
     #[error("{path}: the store is damaged: {why}")]
     Damaged { path: PathBuf, why: String },
+    #[error(
+        "{dir}: the store keeps its groups {}, but tier {tier} keeps them {} (use the tier the store was made with, or another directory)",
+        where_(*store), where_(tier.location())
+    )]
+    Location {
+        dir: PathBuf,
+        store: Location,
+        tier: TierKind,
+    },
+    #[error("{dir}: {why}")]
+    Remote { dir: PathBuf, why: String },
+}
+
+fn where_(l: Location) -> &'static str {
+    match l {
+        Location::Local => "in its local data file",
+        Location::Remote => "in a remote server (--tier redis)",
+    }
+}
+
+/// 16 random bytes from the kernel: the store's identity.
+fn new_uuid() -> io::Result<[u8; 16]> {
+    let mut u = [0u8; 16];
+    let mut f = File::open("/dev/urandom")?;
+    io::Read::read_exact(&mut f, &mut u)?;
+    Ok(u)
 }
 
 fn io_at(path: &Path, what: &'static str) -> impl FnOnce(io::Error) -> StoreError {
@@ -60,11 +87,18 @@ pub struct BackingConfig {
     pub layout: Option<GroupLayout>,
     pub tier: TierKind,
     pub queue_depth: u32,
+    /// How to reach the server of a remote tier (`TierKind::Redis`).
+    pub remote: Option<RemoteConfig>,
 }
 
 /// An opened backing directory.
 pub struct Backing {
     pub layout: GroupLayout,
+    /// The store's identity (names its keys in a remote server).
+    pub uuid: [u8; 16],
+    /// What opening the tier found worth telling the operator (a remote
+    /// server that persists nothing, say).
+    pub notes: Vec<String>,
     pub tier: Box<dyn Tier>,
     pub meta: MetaTable,
     pub created: bool,
@@ -98,49 +132,53 @@ impl Backing {
         let sb_path = dir.join("superblock");
         let data_path = dir.join("data");
         let meta_path = dir.join("meta");
-        let (layout, created) = match fs::read(&sb_path) {
+        let (sb, created) = match fs::read(&sb_path) {
             Ok(bytes) => {
-                let on_disk =
+                let mut sb =
                     decode_superblock(&bytes).map_err(|source| StoreError::Superblock {
                         path: sb_path.clone(),
                         source,
                     })?;
                 if let Some(req) = cfg.layout
-                    && req != on_disk
+                    && req != sb.layout
                 {
                     return Err(StoreError::Mismatch {
                         dir: dir.clone(),
-                        on_disk: Box::new(on_disk),
+                        on_disk: Box::new(sb.layout),
                         requested: Box::new(req),
                     });
                 }
-                (on_disk, false)
+                if sb.uuid == [0; 16] {
+                    // A version-2 store: give it its identity.
+                    sb.uuid = new_uuid().map_err(io_at(dir, "cannot draw a uuid"))?;
+                    install_superblock(dir, &sb)?;
+                }
+                (sb, false)
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 let layout = cfg
                     .layout
                     .ok_or_else(|| StoreError::NoGeometry { dir: dir.clone() })?;
-                create(dir, &layout)?;
-                (layout, true)
+                let sb = Superblock {
+                    layout,
+                    uuid: new_uuid().map_err(io_at(dir, "cannot draw a uuid"))?,
+                    location: cfg.tier.location(),
+                };
+                create(dir, &sb)?;
+                (sb, true)
             }
             Err(e) => return Err(io_at(&sb_path, "cannot read the superblock")(e)),
         };
-
-        let data_len = fs::metadata(&data_path)
-            .map_err(|e| StoreError::Damaged {
-                path: data_path.clone(),
-                why: format!("data file unusable: {e}"),
-            })?
-            .len();
-        let want = crate::tier::data_bytes(&layout);
-        if data_len != want {
-            return Err(StoreError::Damaged {
-                path: data_path,
-                why: format!(
-                    "data file is {data_len} bytes, the geometry needs {want} ({} copies of each group)",
-                    crate::tier::COPIES
-                ),
+        if sb.location != cfg.tier.location() {
+            return Err(StoreError::Location {
+                dir: dir.clone(),
+                store: sb.location,
+                tier: cfg.tier,
             });
+        }
+        let layout = sb.layout;
+        if sb.location == Location::Local {
+            check_data_file(&data_path, &layout)?;
         }
         let meta_file = OpenOptions::new()
             .read(true)
@@ -156,11 +194,19 @@ impl Backing {
                 path: meta_path.clone(),
                 why: e.to_string(),
             })?;
-        let tier = open_tier(cfg.tier, &data_path, layout, cfg.queue_depth)
-            .map_err(io_at(&data_path, "cannot open the data file"))?;
+        let (tier, notes) = match sb.location {
+            Location::Local => (
+                open_tier(cfg.tier, &data_path, layout, cfg.queue_depth)
+                    .map_err(io_at(&data_path, "cannot open the data file"))?,
+                Vec::new(),
+            ),
+            Location::Remote => open_remote(cfg, &sb)?,
+        };
         let epoch = next_epoch(dir)?;
         Ok(Backing {
             layout,
+            uuid: sb.uuid,
+            notes,
             tier,
             meta,
             created,
@@ -168,6 +214,43 @@ impl Backing {
             lock,
         })
     }
+}
+
+/// The data file must hold every copy of every group of the geometry.
+fn check_data_file(path: &Path, layout: &GroupLayout) -> Result<(), StoreError> {
+    let len = fs::metadata(path)
+        .map_err(|e| StoreError::Damaged {
+            path: path.to_path_buf(),
+            why: format!("data file unusable: {e}"),
+        })?
+        .len();
+    let want = crate::tier::data_bytes(layout);
+    if len != want {
+        return Err(StoreError::Damaged {
+            path: path.to_path_buf(),
+            why: format!(
+                "data file is {len} bytes, the geometry needs {want} ({} copies of each group)",
+                crate::tier::COPIES
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Connects the remote tier of a store whose bytes live in a server.
+fn open_remote(
+    cfg: &BackingConfig,
+    sb: &Superblock,
+) -> Result<(Box<dyn Tier>, Vec<String>), StoreError> {
+    let remote = cfg.remote.as_ref().ok_or_else(|| StoreError::Remote {
+        dir: cfg.dir.clone(),
+        why: "the redis tier needs --remote URL (a server, or seed nodes of a cluster)".into(),
+    })?;
+    let _ = (remote, sb);
+    Err(StoreError::Remote {
+        dir: cfg.dir.clone(),
+        why: "the redis tier is not built yet".into(),
+    })
 }
 
 /// Gives the metadata file its blocks up front (fallocate; unwritten
@@ -215,7 +298,8 @@ fn next_epoch(dir: &Path) -> Result<u8, StoreError> {
 }
 
 /// Makes a fresh store's files; the superblock goes last.
-fn create(dir: &Path, layout: &GroupLayout) -> Result<(), StoreError> {
+fn create(dir: &Path, sb: &Superblock) -> Result<(), StoreError> {
+    let layout = &sb.layout;
     let sized = |name: &str, len: u64| -> Result<(), StoreError> {
         let p = dir.join(name);
         let f = OpenOptions::new()
@@ -228,13 +312,20 @@ fn create(dir: &Path, layout: &GroupLayout) -> Result<(), StoreError> {
         f.set_len(len).map_err(io_at(&p, "cannot size"))?;
         f.sync_all().map_err(io_at(&p, "cannot sync"))
     };
-    sized("data", crate::tier::data_bytes(layout))?;
+    if sb.location == Location::Local {
+        sized("data", crate::tier::data_bytes(layout))?;
+    }
     sized("meta", layout.group_count() * META_RECORD_BYTES)?;
+    install_superblock(dir, sb)
+}
+
+/// Writes the superblock whole (a new file, synced, renamed over the old).
+fn install_superblock(dir: &Path, sb: &Superblock) -> Result<(), StoreError> {
     let tmp = dir.join("superblock.new");
-    let sb = encode_superblock(layout);
-    debug_assert_eq!(sb.len(), SUPERBLOCK_BYTES);
+    let bytes = encode_superblock(sb);
+    debug_assert_eq!(bytes.len(), SUPERBLOCK_BYTES);
     let mut f = File::create(&tmp).map_err(io_at(&tmp, "cannot create"))?;
-    f.write_all(&sb).map_err(io_at(&tmp, "cannot write"))?;
+    f.write_all(&bytes).map_err(io_at(&tmp, "cannot write"))?;
     f.sync_all().map_err(io_at(&tmp, "cannot sync"))?;
     let sb_path = dir.join("superblock");
     fs::rename(&tmp, &sb_path).map_err(io_at(&sb_path, "cannot install"))?;

@@ -13,7 +13,7 @@ use kvfs::cascade::{BackingConfig, Cascade, CascadeConfig, PolicyKind};
 use kvfs::control::wire::MountLayout;
 use kvfs::fs::{KvFs, MountOptions};
 use kvfs::geometry::{DEFAULT_BLOCK_TOKENS, Dtype, GroupLayout};
-use kvfs::tier::TierKind;
+use kvfs::tier::{RemoteConfig, TierKind};
 use std::fs::File;
 use std::io::{IsTerminal, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
@@ -53,12 +53,33 @@ pub struct MountArgs {
     /// T1 size: host RAM for the write-back cache (64MiB, 1GiB, 4G, bytes).
     #[arg(long, default_value = DEFAULT_T1)]
     pub t1: String,
-    /// Backing tier: uring (io_uring, O_DIRECT) or file (pread/pwrite).
+    /// Backing tier: uring (io_uring, O_DIRECT), file (pread/pwrite), or
+    /// redis (a Redis/Valkey server or cluster: needs --remote; the
+    /// backing directory then keeps only the superblock and metadata).
     #[arg(long, default_value = "uring")]
     pub tier: TierKind,
-    /// io_uring queue depth.
+    /// Queue depth: io_uring transfers in flight, or (redis) commands in
+    /// flight per server node.
     #[arg(long, default_value_t = kvfs::tier::DEFAULT_QUEUE_DEPTH)]
     pub qd: u32,
+    /// Redis/Valkey server(s) for --tier redis: redis://HOST:PORT,
+    /// unix:///PATH or rediss://HOST:PORT (TLS). One standalone server, or
+    /// one or more seed nodes of a Redis Cluster (detected). Comma-separated
+    /// or repeated.
+    #[arg(long, value_delimiter = ',', value_name = "URL")]
+    pub remote: Vec<String>,
+    /// Seconds a remote connection or round trip may take before it fails
+    /// with EIO (a dead server never hangs a read).
+    #[arg(long, default_value_t = 3.0, value_name = "SECONDS")]
+    pub remote_timeout: f64,
+    /// Replicas each sync waits for (WAIT) [default: every replica the
+    /// node reports; 0 if none].
+    #[arg(long, value_name = "N")]
+    pub remote_replicas: Option<u32>,
+    /// Mount even if the server's maxmemory-policy evicts keys; a group
+    /// the server dropped then reads as EIO (counted), never as zeros.
+    #[arg(long)]
+    pub remote_allow_evict: bool,
     /// Replacement policy for T1: sieve or lru.
     #[arg(long, default_value = "sieve")]
     pub policy: PolicyKind,
@@ -133,6 +154,39 @@ impl MountArgs {
             return Ok(Some(GroupLayout::preset(DEFAULT_PRESET, blocks, bt)?));
         }
         Ok(None)
+    }
+
+    /// How to reach the remote tier; None for the local tiers.
+    fn remote_config(&self) -> Result<Option<RemoteConfig>> {
+        let given =
+            !self.remote.is_empty() || self.remote_replicas.is_some() || self.remote_allow_evict;
+        if self.tier != TierKind::Redis {
+            if given {
+                bail!("--remote and the --remote-* options are for --tier redis");
+            }
+            return Ok(None);
+        }
+        if self.remote.is_empty() {
+            bail!(
+                "--tier redis needs --remote URL (redis://HOST:PORT of a server, or seed nodes of a cluster)"
+            );
+        }
+        if !(self.remote_timeout.is_finite() && self.remote_timeout > 0.0) {
+            bail!(
+                "--remote-timeout must be a positive number of seconds, got {}",
+                self.remote_timeout
+            );
+        }
+        if self.qd == 0 {
+            bail!("--qd must be at least 1");
+        }
+        Ok(Some(RemoteConfig {
+            urls: self.remote.clone(),
+            qd: self.qd as usize,
+            timeout: Duration::from_secs_f64(self.remote_timeout),
+            replicas: self.remote_replicas,
+            allow_evict: self.remote_allow_evict,
+        }))
     }
 }
 
@@ -257,7 +311,12 @@ fn spawn_daemon(args: &MountArgs) -> Result<()> {
     drop(wr);
     let mut msg = String::new();
     rd.read_to_string(&mut msg).ok();
-    if msg.starts_with("ok") {
+    // The daemon's warnings (a remote server that persists nothing, say)
+    // come first, a line each, so the operator sees them here.
+    for w in msg.lines().filter_map(|l| l.strip_prefix("warning: ")) {
+        eprintln!("kvfs: warning: {w}");
+    }
+    if msg.lines().any(|l| l == "ok") {
         println!(
             "kvfs mounted at {} (backing {}, log {})",
             args.mountpoint.display(),
@@ -273,7 +332,8 @@ fn spawn_daemon(args: &MountArgs) -> Result<()> {
             log_path.display()
         );
     }
-    bail!("{}", msg.trim_start_matches("error: ").trim_end())
+    let err = msg.find("error: ").map_or(msg.as_str(), |i| &msg[i + 7..]);
+    bail!("{}", err.trim_end())
 }
 
 fn block_signals() -> libc::sigset_t {
@@ -292,7 +352,7 @@ fn block_signals() -> libc::sigset_t {
 fn run_daemon(args: MountArgs, mut ready: Option<File>) -> Result<()> {
     let r = serve(&args, &mut ready);
     if let (Err(e), Some(f)) = (&r, ready.as_mut()) {
-        let _ = writeln!(f, "error: {e:#}");
+        let _ = write!(f, "error: {e:#}");
     }
     r
 }
@@ -321,6 +381,7 @@ fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
             layout,
             tier: args.tier,
             queue_depth: args.qd,
+            remote: args.remote_config()?,
         },
         CascadeConfig {
             t1_bytes,
@@ -372,7 +433,13 @@ fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
             }
         })?;
     tracing::info!("mounted at {}", args.mountpoint.display());
+    for note in cascade.notes() {
+        tracing::warn!("{note}");
+    }
     if let Some(mut f) = ready.take() {
+        for note in cascade.notes() {
+            let _ = writeln!(f, "warning: {}", note.replace('\n', " "));
+        }
         let _ = f.write_all(b"ok\n");
     }
     let r = session.run();

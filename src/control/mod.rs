@@ -110,13 +110,15 @@ impl Control {
     /// The mount's shape (HELLO, `.kvfs/layout`).
     pub fn layout(&self) -> wire::MountLayout {
         let c = &self.cascade;
-        wire::MountLayout::new(
+        let mut m = wire::MountLayout::new(
             c.layout(),
             c.t1_slots(),
             c.tier_name(),
             c.policy_name(),
             c.slot_device_ptr(crate::cascade::SlotId(0)).is_some(),
-        )
+        );
+        m.remote = c.tier_remote();
+        m
     }
 
     /// Sets the hook told of groups changed through the control file.

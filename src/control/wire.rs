@@ -62,6 +62,9 @@ pub struct MountLayout {
     pub policy: String,
     /// T1 is pinned, device-mapped memory (a CUDA driver is present).
     pub t1_pinned: bool,
+    /// The remote tier's servers (`--tier redis`); absent for local tiers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<String>,
 }
 
 impl MountLayout {
@@ -81,6 +84,7 @@ impl MountLayout {
             tier: tier.into(),
             policy: policy.into(),
             t1_pinned,
+            remote: None,
         }
     }
 

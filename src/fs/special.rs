@@ -132,6 +132,7 @@ impl KvFs {
             ],
         );
         self.control.render_stats(&mut e);
+        self.cascade.render_tier_stats(&mut e);
         e.single(
             "kvfs_uptime_seconds",
             "gauge",

@@ -17,7 +17,9 @@ mod name;
 mod superblock;
 
 pub use name::{NameError, ParsedPath, parse_group_name, parse_path};
-pub use superblock::{SUPERBLOCK_BYTES, SuperblockError, decode_superblock, encode_superblock};
+pub use superblock::{
+    Location, SUPERBLOCK_BYTES, Superblock, SuperblockError, decode_superblock, encode_superblock,
+};
 
 use std::fmt;
 

@@ -20,7 +20,7 @@ pub use file::FileTier;
 pub use mem::MemTier;
 pub use uring::UringTier;
 
-use crate::geometry::{GroupIndex, GroupLayout, IO_ALIGN};
+use crate::geometry::{GroupIndex, GroupLayout, IO_ALIGN, Location};
 use std::fmt;
 use std::io;
 
@@ -129,6 +129,12 @@ pub trait Tier: Send + Sync {
     /// errors, round trips) to a Prometheus exposition; most have none.
     fn render_stats(&self, _e: &mut crate::stats::Exposition) {}
 
+    /// A remote tier's servers as the operator named them (`.kvfs/layout`);
+    /// None for local tiers.
+    fn remote(&self) -> Option<String> {
+        None
+    }
+
     fn read_one(&self, index: GroupIndex, buf: &mut [u8]) -> Result<(), TierError> {
         let mut ops = [ReadOp { index, buf }];
         self.read_batch(&mut ops).pop().expect("one result per op")
@@ -164,6 +170,9 @@ impl<T: Tier + ?Sized> Tier for std::sync::Arc<T> {
     }
     fn render_stats(&self, e: &mut crate::stats::Exposition) {
         (**self).render_stats(e)
+    }
+    fn remote(&self) -> Option<String> {
+        (**self).remote()
     }
 }
 
@@ -213,6 +222,8 @@ pub enum TierKind {
     #[default]
     Uring,
     File,
+    /// A Redis/Valkey server or cluster (`RemoteConfig`).
+    Redis,
 }
 
 impl std::str::FromStr for TierKind {
@@ -221,7 +232,10 @@ impl std::str::FromStr for TierKind {
         match s {
             "uring" => Ok(TierKind::Uring),
             "file" => Ok(TierKind::File),
-            _ => Err(format!("unknown tier {s:?} (expected uring or file)")),
+            "redis" => Ok(TierKind::Redis),
+            _ => Err(format!(
+                "unknown tier {s:?} (expected uring, file or redis)"
+            )),
         }
     }
 }
@@ -231,13 +245,43 @@ impl fmt::Display for TierKind {
         f.write_str(match self {
             TierKind::Uring => "uring",
             TierKind::File => "file",
+            TierKind::Redis => "redis",
         })
+    }
+}
+
+impl TierKind {
+    /// Where this tier keeps group bytes.
+    pub fn location(self) -> Location {
+        match self {
+            TierKind::Uring | TierKind::File => Location::Local,
+            TierKind::Redis => Location::Remote,
+        }
     }
 }
 
 /// Default io_uring queue depth: 32 saturates NVMe random 4 KiB reads on the
 /// machines we run on (fio shows no gain beyond it) without long tail waits.
 pub const DEFAULT_QUEUE_DEPTH: u32 = 32;
+
+/// How to reach a remote tier (`--remote` and the `--remote-*` options).
+#[derive(Clone, Debug)]
+pub struct RemoteConfig {
+    /// `redis://host:port`, `unix:///path`, `rediss://…`: one standalone
+    /// server, or seed nodes of a cluster.
+    pub urls: Vec<String>,
+    /// Commands in flight per node (one pipeline's depth).
+    pub qd: usize,
+    /// Bound on connecting and on each round trip: a dead server is EIO
+    /// after about this long, never a hang.
+    pub timeout: std::time::Duration,
+    /// Replicas every sync waits for (WAIT); None: every replica the node
+    /// reports.
+    pub replicas: Option<u32>,
+    /// Mount over a server whose maxmemory-policy evicts keys (a lost
+    /// group then reads as EIO).
+    pub allow_evict: bool,
+}
 
 /// Opens a data file as the chosen tier.
 pub fn open_tier(
@@ -249,6 +293,11 @@ pub fn open_tier(
     Ok(match kind {
         TierKind::Uring => Box::new(UringTier::open(path, layout, queue_depth)?),
         TierKind::File => Box::new(FileTier::open(path, layout)?),
+        TierKind::Redis => {
+            return Err(io::Error::other(
+                "the redis tier has no data file: it is opened with its RemoteConfig",
+            ));
+        }
     })
 }
 
