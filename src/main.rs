@@ -161,21 +161,27 @@ enum BenchCmd {
     /// Random group reads through a backing tier, next to fio on the same file
     /// (same block size, queue depth and O_DIRECT setting).
     Backing {
-        /// Directory for the bench file (kvfs-bench.data); put it on the disk to measure.
-        #[arg(long)]
+        /// Directory for the bench file (kvfs-bench.data); put it on the disk to measure (not used by --tier redis).
+        #[arg(long, default_value = "/var/tmp/kvfs-bench")]
         dir: PathBuf,
-        /// Tier to measure: uring (io_uring, O_DIRECT) or file (pread, compared with fio psync at depth 1).
+        /// Tier to measure: uring (io_uring, O_DIRECT), file (pread, compared with fio psync at depth 1), or redis (GETs and SETs through the redis tier, compared with redis-benchmark on the same server; needs --remote).
         #[arg(long, default_value = "uring")]
         tier: TierKind,
-        /// io_uring queue depth (also fio's iodepth).
+        /// io_uring queue depth (also fio's iodepth); redis: commands per pipeline (also redis-benchmark's -P).
         #[arg(long, default_value_t = 32)]
         qd: u32,
+        /// redis: the server (redis://HOST:PORT, unix:///PATH) or cluster seed nodes.
+        #[arg(long, value_delimiter = ',', value_name = "URL")]
+        remote: Vec<String>,
+        /// redis: client connections on each side (kvfs threads; redis-benchmark's -c).
+        #[arg(long, default_value_t = 4)]
+        connections: usize,
         /// Group size: 4k or 16k (any multiple of 4096).
         #[arg(long, default_value = "4k", value_parser = parse_size)]
         group_size: u64,
-        /// Bench file size; the file is written in full once and reused.
-        #[arg(long, default_value = "1GiB", value_parser = parse_size)]
-        file_size: u64,
+        /// Bench file size; the file is written in full once and reused (redis: the bytes of groups kept in the server) [default: 1GiB; redis: 256MiB].
+        #[arg(long, value_parser = parse_size)]
+        file_size: Option<u64>,
         /// Seconds for each of the two runs.
         #[arg(long, default_value_t = 10.0)]
         seconds: f64,
@@ -286,17 +292,54 @@ fn run(cli: Cli) -> Result<()> {
                 dir,
                 tier,
                 qd,
+                remote,
+                connections,
                 group_size,
                 file_size,
                 seconds,
                 rounds,
+            } if tier == TierKind::Redis => {
+                if remote.is_empty() {
+                    anyhow::bail!("--tier redis needs --remote URL");
+                }
+                let _ = dir;
+                kvfs::bench::redis::run(&kvfs::bench::redis::RedisBench {
+                    remote: kvfs::tier::RemoteConfig {
+                        urls: remote,
+                        qd: qd.max(1) as usize,
+                        timeout: std::time::Duration::from_secs(5),
+                        replicas: None,
+                        allow_evict: true,
+                    },
+                    layout: kvfs::bench::backing::bench_layout(
+                        group_size,
+                        file_size.unwrap_or(256 << 20),
+                    )?,
+                    connections: connections.max(1),
+                    seconds,
+                    rounds,
+                })?;
+            }
+            BenchCmd::Backing {
+                dir,
+                tier,
+                qd,
+                remote,
+                group_size,
+                file_size,
+                seconds,
+                rounds,
+                ..
             } => {
+                if !remote.is_empty() {
+                    anyhow::bail!("--remote is for --tier redis");
+                }
                 kvfs::bench::backing::run(&BackingBench {
                     dir,
                     tier,
                     queue_depth: qd,
                     group_bytes: group_size,
-                    file_bytes: file_size,
+                    file_bytes: file_size.unwrap_or(1 << 30),
                     seconds,
                     rounds,
                 })?;

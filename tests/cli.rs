@@ -41,7 +41,7 @@ fn bad_arguments_are_clear_errors() {
         .args(["bench", "backing", "--dir", "/tmp", "--tier", "floppy"])
         .output()
         .unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("expected uring or file"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("expected uring, file or redis"));
 }
 
 #[test]

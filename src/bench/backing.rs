@@ -36,7 +36,7 @@ pub struct BackingResult {
 
 /// The bench's layout: one layer, one head, head_dim 128 bf16, with
 /// block_tokens chosen to give the requested group size.
-fn bench_layout(group_bytes: u64, file_bytes: u64) -> anyhow::Result<GroupLayout> {
+pub fn bench_layout(group_bytes: u64, file_bytes: u64) -> anyhow::Result<GroupLayout> {
     let per_token = 128 * Dtype::Bf16.bytes();
     if group_bytes == 0
         || !group_bytes.is_multiple_of(per_token)

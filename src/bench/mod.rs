@@ -2,11 +2,13 @@
 //! same run on the same machine, never against a remembered number.
 //!
 //! `backing`: random group reads through a backing tier vs fio on the same
-//! file, same block size, same queue depth.
+//! file, same block size, same queue depth; for the redis tier (`redis`),
+//! reads and writes vs redis-benchmark on the same server.
 
 pub mod backing;
 pub mod crash;
 pub mod fuse;
+pub mod redis;
 pub mod restore;
 pub mod soak;
 
