@@ -225,8 +225,7 @@ impl RedisTier {
             seed: info.clone(),
             timeout: cfg.timeout,
         };
-        let describe;
-        if cluster {
+        let describe = if cluster {
             let v: Value = redis::cmd("CLUSTER")
                 .arg("SLOTS")
                 .query(&mut con)
@@ -257,7 +256,7 @@ impl RedisTier {
                 setup::check_master(&mut c, &n.addr, cfg.allow_evict, &mut warnings)?;
                 n.give(c);
             }
-            describe = format!("cluster of {} masters via {url}", topo.masters.len());
+            format!("cluster of {} masters via {url}", topo.masters.len())
         } else {
             if seeds.len() > 1 {
                 return Err(format!(
@@ -269,8 +268,8 @@ impl RedisTier {
             setup::check_master(&mut con, &url, cfg.allow_evict, &mut warnings)?;
             seed_node.give(con);
             topo.nodes.push(Arc::new(seed_node));
-            describe = format!("standalone {url}");
-        }
+            format!("standalone {url}")
+        };
         Ok(RedisTier {
             layout,
             ns: format::namespace(uuid),
