@@ -504,3 +504,74 @@ fn sync_waits_for_replicas() {
         "{e}"
     );
 }
+
+#[test]
+fn tls_url() {
+    if !testing::available() {
+        return;
+    }
+    let Some(s) = RedisServer::start_tls() else {
+        return;
+    };
+    let url = s.tls_url().unwrap();
+    let t = RedisTier::connect(layout(), UUID, &cfg(vec![url.clone()])).unwrap();
+    assert!(t.describe().contains("rediss://"), "{}", t.describe());
+    assert!(write(&t, &[0, 1, 2], 1).iter().all(|r| r.is_ok()));
+    assert!(read(&t, &[2, 1, 0], 1).into_iter().all(|r| r.unwrap()));
+}
+
+#[test]
+fn cluster_follows_ask_during_a_slot_migration() {
+    if !testing::available() {
+        return;
+    }
+    let c = RedisCluster::start(3);
+    let t = RedisTier::connect(layout(), UUID, &cfg(c.urls())).unwrap();
+    let idx = all_indices();
+    // Copies 0 of block 0 exist before the migration starts; copies 1 do not.
+    let block0: Vec<u64> = idx
+        .iter()
+        .copied()
+        .filter(|&i| layout().key(GroupIndex(i / COPIES)).unwrap().block == 0)
+        .collect();
+    let (c0, c1): (Vec<u64>, Vec<u64>) = block0.iter().partition(|&&i| i % COPIES == 0);
+    assert!(write(&t, &c0, 1).iter().all(|r| r.is_ok()));
+    // Start moving block 0's slot; move half its keys; leave it migrating.
+    let key = key_of(0);
+    let slot = c.nodes[0].cli(&["cluster", "keyslot", &key]);
+    let owner = c
+        .nodes
+        .iter()
+        .position(|s| s.cli(&["cluster", "countkeysinslot", &slot]) != "0")
+        .unwrap();
+    let (src, dst) = (&c.nodes[owner], &c.nodes[(owner + 1) % 3]);
+    let dst_id = dst.cli(&["cluster", "myid"]);
+    let src_id = src.cli(&["cluster", "myid"]);
+    assert_eq!(
+        dst.cli(&["cluster", "setslot", &slot, "importing", &src_id]),
+        "OK"
+    );
+    assert_eq!(
+        src.cli(&["cluster", "setslot", &slot, "migrating", &dst_id]),
+        "OK"
+    );
+    let keys = src.cli(&["cluster", "getkeysinslot", &slot, "1000"]);
+    let keys: Vec<&str> = keys.lines().collect();
+    for k in &keys[..keys.len() / 2] {
+        let r = src.cli(&[
+            "migrate",
+            "127.0.0.1",
+            &dst.port.to_string(),
+            k,
+            "0",
+            "5000",
+        ]);
+        assert_eq!(r, "OK");
+    }
+    // Migrated keys answer ASK; new keys are created on the target via ASK.
+    assert!(read(&t, &c0, 1).into_iter().all(|r| r.unwrap()));
+    assert!(write(&t, &c1, 1).iter().all(|r| r.is_ok()));
+    assert!(read(&t, &c1, 1).into_iter().all(|r| r.unwrap()));
+    assert_ne!(dst.cli(&["cluster", "countkeysinslot", &slot]), "0");
+    assert_eq!(metric(&t, stats::REMOTE_ERRORS), 0.0);
+}

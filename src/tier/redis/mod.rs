@@ -189,6 +189,11 @@ impl RedisTier {
         if cfg.urls.is_empty() {
             return Err("no redis URL given".into());
         }
+        if cfg.urls.iter().any(|u| u.starts_with("rediss://")) {
+            // rustls needs a process-wide crypto provider; an Err means one
+            // is installed already, which serves as well.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
         let mut seeds = Vec::with_capacity(cfg.urls.len());
         for url in &cfg.urls {
             let info = url

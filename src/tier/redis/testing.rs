@@ -45,6 +45,8 @@ pub struct RedisServer {
     dir: tempfile::TempDir,
     args: Vec<String>,
     child: Option<Child>,
+    /// TLS port and the directory of its certificate.
+    tls: Option<(u16, tempfile::TempDir)>,
 }
 
 impl RedisServer {
@@ -77,6 +79,7 @@ impl RedisServer {
             dir,
             args,
             child: None,
+            tls: None,
         };
         // Another test may take the port between our probe and the bind:
         // then the server exits, and we try another.
@@ -182,6 +185,49 @@ impl RedisServer {
             .output()
             .expect("run redis-cli");
         String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// Starts a server that speaks TLS only, with a self-signed
+    /// certificate made by `openssl` (None where openssl is missing).
+    pub fn start_tls() -> Option<RedisServer> {
+        let certs = tempfile::tempdir().expect("temp dir");
+        let (cert, key) = (certs.path().join("cert.pem"), certs.path().join("key.pem"));
+        let made = Command::new("openssl")
+            .args([
+                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            ])
+            .args(["-subj", "/CN=localhost", "-keyout"])
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !made {
+            eprintln!("skipping: openssl cannot make a test certificate");
+            return None;
+        }
+        let (cert, key) = (cert.display().to_string(), key.display().to_string());
+        let port = free_port().to_string();
+        let mut s = RedisServer::start(&[
+            "--tls-port",
+            &port,
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-auth-clients",
+            "no",
+        ]);
+        s.tls = Some((port.parse().expect("port"), certs));
+        Some(s)
+    }
+
+    /// `rediss://` URL of a TLS server (certificate not verified).
+    pub fn tls_url(&self) -> Option<String> {
+        let (port, _) = self.tls.as_ref()?;
+        Some(format!("rediss://127.0.0.1:{port}/#insecure"))
     }
 
     pub fn socket_path(&self) -> PathBuf {
