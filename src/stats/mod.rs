@@ -24,6 +24,13 @@ pub const T1_SLOTS_TOTAL: &str = "kvfs_t1_slots_total";
 pub const DIRTY_BYTES: &str = "kvfs_dirty_bytes";
 pub const DIRTY_GROUPS: &str = "kvfs_dirty_groups";
 pub const OP_LATENCY: &str = "kvfs_op_latency_seconds";
+pub const REMOTE_NODES: &str = "kvfs_remote_nodes";
+pub const REMOTE_ERRORS: &str = "kvfs_remote_errors_total";
+pub const REMOTE_TIMEOUTS: &str = "kvfs_remote_timeouts_total";
+pub const REMOTE_LOST: &str = "kvfs_remote_lost_total";
+pub const REMOTE_CORRUPT: &str = "kvfs_remote_corrupt_total";
+pub const REMOTE_OOM: &str = "kvfs_remote_oom_total";
+pub const REMOTE_ROUND_TRIP: &str = "kvfs_remote_round_trip_seconds";
 
 /// Upper bounds of latency buckets, in microseconds: 1 µs to 1 s, ×~3.
 const BUCKETS_US: [u64; 13] = [

@@ -13,8 +13,10 @@
 mod fault;
 mod file;
 mod mem;
+pub mod redis;
 mod uring;
 
+pub use self::redis::{RedisTier, RemoteConfig};
 pub use fault::{Fault, FaultSwitch, FaultTier};
 pub use file::FileTier;
 pub use mem::MemTier;

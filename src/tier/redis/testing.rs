@@ -1,0 +1,279 @@
+//! Real `redis-server` processes for tests (unit and integration): each on
+//! a free loopback port in its own temporary directory, killed on drop.
+//!
+//! Not part of the tier; public only so `tests/` can share it. Test code:
+//! it panics when a server cannot be started, since a test cannot go on.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Whether `redis-server` and `redis-cli` can run here; prints why a test
+/// skips when not.
+pub fn available() -> bool {
+    let ok = |bin: &str| {
+        Command::new(bin)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let yes = ok("redis-server") && ok("redis-cli");
+    if !yes {
+        eprintln!("skipping: redis-server/redis-cli not on PATH");
+    }
+    yes
+}
+
+/// A loopback port that is free now, with its cluster bus port (+10000)
+/// free too.
+fn free_port() -> u16 {
+    loop {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+        let p = l.local_addr().expect("local addr").port();
+        if p < 55000 && TcpListener::bind(("127.0.0.1", p + 10000)).is_ok() {
+            return p;
+        }
+    }
+}
+
+/// One `redis-server`.
+pub struct RedisServer {
+    pub port: u16,
+    dir: tempfile::TempDir,
+    args: Vec<String>,
+    child: Option<Child>,
+    /// TLS port and the directory of its certificate.
+    tls: Option<(u16, tempfile::TempDir)>,
+}
+
+impl RedisServer {
+    /// Starts a server that persists nothing, plus `extra` arguments
+    /// (`["--maxmemory", "2mb"]`); later arguments override earlier ones.
+    pub fn start(extra: &[&str]) -> RedisServer {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut args: Vec<String> = [
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--daemonize",
+            "no",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.push("--dir".into());
+        args.push(dir.path().display().to_string());
+        args.push("--logfile".into());
+        args.push(dir.path().join("log").display().to_string());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut s = RedisServer {
+            port: 0,
+            dir,
+            args,
+            child: None,
+            tls: None,
+        };
+        // Another test may take the port between our probe and the bind:
+        // then the server exits, and we try another.
+        for _ in 0..5 {
+            s.port = free_port();
+            if s.spawn() {
+                return s;
+            }
+        }
+        panic!("redis-server would not start; log: {}", s.log());
+    }
+
+    /// A cluster-enabled node (not yet part of a cluster).
+    pub fn start_cluster_node() -> RedisServer {
+        RedisServer::start(&[
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "2000",
+        ])
+    }
+
+    fn spawn(&mut self) -> bool {
+        let child = Command::new("redis-server")
+            .arg("--port")
+            .arg(self.port.to_string())
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(c) = self.child.as_mut()
+                && let Ok(Some(_)) = c.try_wait()
+            {
+                self.child = None;
+                return false;
+            }
+            if self.cli(&["ping"]) == "PONG" {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+        false
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("log")).unwrap_or_default()
+    }
+
+    /// SIGKILL: no shutdown save, connections reset.
+    pub fn kill(&mut self) {
+        self.freeze(false);
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Freezes (`SIGSTOP`) or thaws (`SIGCONT`) the server: a stalled
+    /// server keeps its sockets open but never replies.
+    pub fn freeze(&self, frozen: bool) {
+        let Some(c) = self.child.as_ref() else { return };
+        let sig = if frozen { "-STOP" } else { "-CONT" };
+        let ok = Command::new("kill")
+            .arg(sig)
+            .arg(c.id().to_string())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} redis-server");
+    }
+
+    /// Starts the server again on the same port and directory.
+    pub fn restart(&mut self) {
+        self.kill();
+        assert!(
+            self.spawn(),
+            "redis-server would not restart: {}",
+            self.log()
+        );
+    }
+
+    /// `redis-cli -p PORT args…`'s output, trimmed.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .arg("-p")
+            .arg(self.port.to_string())
+            .args(args)
+            .stderr(Stdio::null())
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// Starts a server that speaks TLS only, with a self-signed
+    /// certificate made by `openssl` (None where openssl is missing).
+    pub fn start_tls() -> Option<RedisServer> {
+        let certs = tempfile::tempdir().expect("temp dir");
+        let (cert, key) = (certs.path().join("cert.pem"), certs.path().join("key.pem"));
+        let made = Command::new("openssl")
+            .args([
+                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            ])
+            .args(["-subj", "/CN=localhost", "-keyout"])
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !made {
+            eprintln!("skipping: openssl cannot make a test certificate");
+            return None;
+        }
+        let (cert, key) = (cert.display().to_string(), key.display().to_string());
+        let port = free_port().to_string();
+        let mut s = RedisServer::start(&[
+            "--tls-port",
+            &port,
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-auth-clients",
+            "no",
+        ]);
+        s.tls = Some((port.parse().expect("port"), certs));
+        Some(s)
+    }
+
+    /// `rediss://` URL of a TLS server (certificate not verified).
+    pub fn tls_url(&self) -> Option<String> {
+        let (port, _) = self.tls.as_ref()?;
+        Some(format!("rediss://127.0.0.1:{port}/#insecure"))
+    }
+
+    pub fn socket_path(&self) -> PathBuf {
+        self.dir.path().join("redis.sock")
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A Redis Cluster of `n` masters, no replicas, all slots assigned.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start(n: usize) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..n).map(|_| RedisServer::start_cluster_node()).collect();
+        let mut args = vec!["--cluster".to_string(), "create".to_string()];
+        args.extend(nodes.iter().map(|s| format!("127.0.0.1:{}", s.port)));
+        args.extend(["--cluster-replicas", "0", "--cluster-yes"].map(String::from));
+        let out = Command::new("redis-cli")
+            .args(&args)
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let c = RedisCluster { nodes };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !c.nodes.iter().all(|s| {
+            let i = s.cli(&["cluster", "info"]);
+            i.contains("cluster_state:ok") && i.contains(&format!("cluster_known_nodes:{n}"))
+        }) {
+            assert!(Instant::now() < deadline, "cluster never became ok");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        c
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(|s| s.url()).collect()
+    }
+}
