@@ -48,8 +48,9 @@ fn run_kvfs(tier: &RedisTier, b: &RedisBench, write: bool) -> anyhow::Result<f64
                     let mut rng = Rng::new(7 + t as u64);
                     let mut done = 0u64;
                     while Instant::now() < deadline {
-                        let idx: Vec<GroupIndex> =
-                            (0..qd).map(|_| copy_index(GroupIndex(rng.below(n)), 0)).collect();
+                        let idx: Vec<GroupIndex> = (0..qd)
+                            .map(|_| copy_index(GroupIndex(rng.below(n)), 0))
+                            .collect();
                         let results = if write {
                             let ops: Vec<WriteOp> = bufs
                                 .as_slice()
@@ -250,10 +251,16 @@ pub fn run(b: &RedisBench) -> anyhow::Result<()> {
             }
         }
         let k = k_sum / rounds as f64;
-        println!("  mean     {test}  kvfs            {:>10} ops/s", thousands(k as u64));
+        println!(
+            "  mean     {test}  kvfs            {:>10} ops/s",
+            thousands(k as u64)
+        );
         if !missing {
             let r = r_sum / rounds as f64;
-            println!("  mean     {test}  redis-benchmark {:>10} ops/s", thousands(r as u64));
+            println!(
+                "  mean     {test}  redis-benchmark {:>10} ops/s",
+                thousands(r as u64)
+            );
             println!("  ratio kvfs/redis-benchmark ({test}): {:.3}", k / r);
         }
     }

@@ -246,11 +246,14 @@ fn open_remote(
         dir: cfg.dir.clone(),
         why: "the redis tier needs --remote URL (a server, or seed nodes of a cluster)".into(),
     })?;
-    let _ = (remote, sb);
-    Err(StoreError::Remote {
-        dir: cfg.dir.clone(),
-        why: "the redis tier is not built yet".into(),
-    })
+    let tier = crate::tier::RedisTier::connect(sb.layout, sb.uuid, remote).map_err(|why| {
+        StoreError::Remote {
+            dir: cfg.dir.clone(),
+            why,
+        }
+    })?;
+    let notes = tier.warnings().to_vec();
+    Ok((Box::new(tier), notes))
 }
 
 /// Gives the metadata file its blocks up front (fallocate; unwritten

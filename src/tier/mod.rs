@@ -266,25 +266,6 @@ impl TierKind {
 /// machines we run on (fio shows no gain beyond it) without long tail waits.
 pub const DEFAULT_QUEUE_DEPTH: u32 = 32;
 
-/// How to reach a remote tier (`--remote` and the `--remote-*` options).
-#[derive(Clone, Debug)]
-pub struct RemoteConfig {
-    /// `redis://host:port`, `unix:///path`, `rediss://…`: one standalone
-    /// server, or seed nodes of a cluster.
-    pub urls: Vec<String>,
-    /// Commands in flight per node (one pipeline's depth).
-    pub qd: usize,
-    /// Bound on connecting and on each round trip: a dead server is EIO
-    /// after about this long, never a hang.
-    pub timeout: std::time::Duration,
-    /// Replicas every sync waits for (WAIT); None: every replica the node
-    /// reports.
-    pub replicas: Option<u32>,
-    /// Mount over a server whose maxmemory-policy evicts keys (a lost
-    /// group then reads as EIO).
-    pub allow_evict: bool,
-}
-
 /// Opens a data file as the chosen tier.
 pub fn open_tier(
     kind: TierKind,

@@ -620,6 +620,10 @@ impl Tier for RedisTier {
         "redis"
     }
 
+    fn remote(&self) -> Option<String> {
+        Some(self.describe())
+    }
+
     fn layout(&self) -> &GroupLayout {
         &self.layout
     }
