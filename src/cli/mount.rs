@@ -647,6 +647,27 @@ pub fn stat(mp: &Path) -> Result<()> {
     );
     println!("  dirty      {}", human(get(kvfs::stats::DIRTY_BYTES)));
     println!("  backing    {} ({})", layout.tier, layout.policy);
+    if let Some(remote) = &layout.remote {
+        use kvfs::stats::*;
+        let up = get(&format!("{REMOTE_NODES}{{state=\"connected\"}}"));
+        let down = get(&format!("{REMOTE_NODES}{{state=\"down\"}}"));
+        let trips = get(&format!("{REMOTE_ROUND_TRIP}_count{{tier=\"redis\"}}"));
+        let secs = get(&format!("{REMOTE_ROUND_TRIP}_sum{{tier=\"redis\"}}"));
+        println!("  remote     {remote}: {up} nodes connected, {down} down");
+        println!(
+            "             errors {}, timeouts {}, lost {}, corrupt {}, OOM {}; round trips {trips}{}",
+            get(REMOTE_ERRORS),
+            get(REMOTE_TIMEOUTS),
+            get(REMOTE_LOST),
+            get(REMOTE_CORRUPT),
+            get(REMOTE_OOM),
+            if trips > 0.0 {
+                format!(", mean {:.0} µs", 1e6 * secs / trips)
+            } else {
+                String::new()
+            }
+        );
+    }
     println!(
         "  reads      {reads}: T1 {} ({}), backing {} ({}), never written {}",
         t1h,
