@@ -24,8 +24,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kvfs_client import Kvfs  # noqa: E402
+# The kvfs package beside this script (tools/python), installed or not.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "python"))
+from kvfs import Kvfs  # noqa: E402
 
 
 WAIT_S = 60  # a ticket that takes longer than this is a failure, not a wait

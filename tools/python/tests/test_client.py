@@ -1,7 +1,10 @@
-"""Tests of tools/kvfs_client.py against a running mount (KVFS_MOUNT).
+"""Tests of the kvfs package's client against a running mount (KVFS_MOUNT).
 
-Run by `cargo test --release` (tests/python.rs mounts kvfs and runs this);
-alone: KVFS_MOUNT=/mnt/kv python3 tools/test_kvfs_client.py
+Run by `cargo test --release` (tests/python.rs mounts kvfs and runs the
+package's tests); alone, from kvfs's repository root:
+    KVFS_MOUNT=/mnt/kv PYTHONPATH=tools/python python3 -m unittest discover -s tools/python/tests -v
+(PYTHONPATH not needed when the package is installed). Without KVFS_MOUNT
+these tests are skipped.
 """
 
 import errno
@@ -12,8 +15,7 @@ import tempfile
 import threading
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kvfs_client import Kvfs, KvfsError  # noqa: E402
+from kvfs import Kvfs, KvfsError
 
 MOUNT = os.environ.get("KVFS_MOUNT")
 

@@ -1,0 +1,331 @@
+"""kvfs control-file client, standard library only.
+
+    from kvfs import Kvfs, KvfsError
+    with Kvfs("/mnt/kv") as kv:
+        r = kv.register_host_region("/dev/shm/kv-region", 1 << 20)
+        kv.store([(3, 17, 0, "K", r, 0)])            # region bytes -> group L3/B17/H0/K
+        kv.restore([(3, 17, 0, "K", r, 8192)])       # group -> region offset 8192
+        print(kv.query([(3, 17, 0, "K")]))           # [('t1', True)]
+
+A request whose record and reply fit in 16 KiB travels as one ioctl(2);
+a larger RESTORE or STORE puts its entries in a scratch host region of the
+session (a /dev/shm file) and sends one ioctl naming them; other large
+requests go as write(2) of the request record and read(2) of its reply
+(Kvfs(mount, use_ioctl=False) uses write/read for all; the wire format is
+specified in kvfs's README.md). Failures raise
+KvfsError with .errno, .entry (the offending entry's index, or None) and a
+message from the daemon.
+"""
+
+import fcntl
+import json
+import mmap
+import os
+import tempfile
+import struct
+import threading
+
+REQUEST_MAGIC = struct.unpack("<I", b"KVFQ")[0]
+REPLY_MAGIC = struct.unpack("<I", b"KVFR")[0]
+VERSION = 1
+HELLO, REGISTER, UNREGISTER, RESTORE, STORE, QUERY, PREFETCH, WAIT, COMPLETION = range(1, 10)
+NO_ENTRY = 0xFFFFFFFF
+FOREVER = 0xFFFFFFFFFFFFFFFF
+STATES = {0: "empty", 1: "backing", 2: "t1"}
+_HEADER = struct.Struct("<IHHIIQQ")     # magic, version, command, count, reserved, arg0, arg1
+_REPLY = struct.Struct("<IHHIIQII")     # magic, version, command, status, count, value, failed, entry
+_IO_ENTRY = "QIIIIQ"    # block, layer, head, kind, region, offset (32 bytes)
+_KEY_ENTRY = "QIIII"     # block, layer, head, kind, pad (24 bytes)
+_STATE = struct.Struct("<BBHI")         # state, dirty, pad, crc32c
+
+
+REGISTER_CUDA = 1
+ENTRIES_IN_REGION = 1  # RESTORE/STORE arg0 flag; the region id is in arg0's upper 32 bits
+_IOCTL_MAX = (1 << 14) - 1  # the size field of an ioctl number
+_IOCTL_MESSAGE = 1024       # room for a reply's message in an ioctl buffer
+
+
+def _ioctl_cmd(size):
+    # _IOWR(0x4b, 1, size): the kernel copies `size` bytes in and out.
+    return (3 << 30) | ((size & 0x3FFF) << 16) | (0x4B << 8) | 1
+
+
+class Ticket(int):
+    """A ticket number; for restores into CUDA regions, also the handle of
+    the CUDA IPC event recorded after the copy (open it with
+    torch.cuda.Event.from_ipc_handle(device, handle) or cuIpcOpenEventHandle
+    and make a stream wait on it: no host round trip)."""
+
+    ipc_event_handle = None
+
+
+def _ticket(value, message):
+    t = Ticket(value)
+    if message.startswith("ipc_event="):
+        t.ipc_event_handle = bytes.fromhex(message[len("ipc_event="):])
+    return t
+
+
+class Encoded(bytes):
+    """RESTORE/STORE entries already in wire form (see Kvfs.encode_entries)."""
+
+
+class KvfsError(OSError):
+    """A request or ticket kvfs refused or failed."""
+
+    def __init__(self, errno, message, entry=None):
+        super().__init__(errno, message)
+        self.entry = entry
+        self.message = message
+
+    def __str__(self):
+        where = "" if self.entry is None else f" (entry {self.entry})"
+        return f"[errno {self.errno}] {self.message}{where}"
+
+
+_KINDS = {"K": 0, "k": 0, 0: 0, "V": 1, "v": 1, 1: 1}
+
+
+def _kind(k):
+    try:
+        return _KINDS[k]
+    except (KeyError, TypeError):
+        raise ValueError(f"kind must be 'K' or 'V', not {k!r}") from None
+
+
+class Kvfs:
+    """One session (one open fd) of MOUNT/.kvfs/control."""
+
+    def __init__(self, mountpoint, use_ioctl=True):
+        self.mountpoint = os.fspath(mountpoint)
+        self._use_ioctl = use_ioctl
+        self._fd = os.open(os.path.join(self.mountpoint, ".kvfs", "control"), os.O_RDWR | os.O_CLOEXEC)
+        self._lock = threading.RLock()
+        self._scratch = None  # (region, mmap, size): where large batches' entries go
+        version, layout = self._call(HELLO)
+        self.version = version
+        self.layout = json.loads(layout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def fileno(self):
+        return self._fd
+
+    def close(self):
+        """Closes the session; in-flight work finishes, then its regions go."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._scratch is not None:
+            self._scratch[1].close()
+            self._scratch = None
+
+    # --- transport -------------------------------------------------------
+
+    def _read_exact(self, n, buf):
+        while len(buf) < n:
+            chunk = os.read(self._fd, max(n - len(buf), 4096))
+            buf += chunk  # an empty read ends one read(2); just read again
+        return buf
+
+    @staticmethod
+    def _parse_reply(buf, read_more):
+        """Decodes one reply from buf; read_more(n, buf) must return buf
+        grown to at least n bytes."""
+        buf = read_more(_REPLY.size + 4, buf)
+        magic, version, command, status, count, value, failed, entry = _REPLY.unpack_from(buf)
+        if magic != REPLY_MAGIC or version != VERSION:
+            raise KvfsError(71, "bad reply from kvfs (magic or version)")  # EPROTO
+        states_end = _REPLY.size + count * _STATE.size
+        buf = read_more(states_end + 4, buf)
+        (msg_len,) = struct.unpack_from("<I", buf, states_end)
+        buf = read_more(states_end + 4 + msg_len, buf)
+        states = [_STATE.unpack_from(buf, _REPLY.size + i * _STATE.size) for i in range(count)]
+        message = bytes(buf[states_end + 4:states_end + 4 + msg_len]).decode("utf-8", "replace")
+        return command, status, value, failed, entry, states, message
+
+    def _read_reply(self):
+        return self._parse_reply(b"", self._read_exact)
+
+    def _send(self, header, body):
+        # One writev, no joined copy: a 4096-entry batch is 128 KiB, and
+        # copying it costs more than the rest of the call.
+        n = os.writev(self._fd, [header, body])
+        if n < len(header) + len(body):
+            rest = memoryview(header + bytes(body))[n:]
+            while rest:
+                rest = rest[os.write(self._fd, rest):]
+
+    def _ioctl(self, header, body, size):
+        buf = bytearray(size)
+        buf[:len(header)] = header
+        buf[len(header):len(header) + len(body)] = body
+        fcntl.ioctl(self._fd, _ioctl_cmd(size), buf, True)
+
+        def have(n, b):
+            if len(b) < n:
+                raise KvfsError(71, "kvfs reply larger than the ioctl buffer")  # EPROTO
+            return b
+
+        return self._parse_reply(buf, have)
+
+    def _call(self, command, count=0, arg0=0, arg1=0, body=b"", states=False):
+        header = _HEADER.pack(REQUEST_MAGIC, VERSION, command, count, 0, arg0, arg1)
+        # One ioctl(2) (one trip through FUSE) when the request and its reply
+        # fit in an ioctl buffer; write(2) then read(2) otherwise.
+        reply = _REPLY.size + (count * _STATE.size if states else 0) + 4 + _IOCTL_MESSAGE
+        size = max(len(header) + len(body), reply)
+        with self._lock:
+            if size <= _IOCTL_MAX and self._use_ioctl:
+                _, status, value, _, entry, st, message = self._ioctl(header, body, size)
+            else:
+                self._send(header, body)
+                _, status, value, _, entry, st, message = self._read_reply()
+        if status:
+            raise KvfsError(status, message, None if entry == NO_ENTRY else entry)
+        if states:
+            return st
+        return value, message
+
+    # --- API -------------------------------------------------------------
+
+    def register_host_region(self, path, size):
+        """Registers `size` bytes of a regular file (e.g. in /dev/shm) as a region of this fd."""
+        p = os.path.abspath(os.fspath(path)).encode()
+        value, _ = self._call(REGISTER, len(p), 0, size, p)
+        return value
+
+    def register_cuda_region(self, ipc_handle, size, device=0, offset=0):
+        """Registers `size` bytes at `offset` of a CUDA allocation exported by
+        cuIpcGetMemHandle (64 bytes). Raises KvfsError(ENODEV) without a CUDA driver."""
+        handle = bytes(ipc_handle)
+        if len(handle) != 64:
+            raise ValueError(f"a CUDA IPC memory handle is 64 bytes, not {len(handle)}")
+        payload = handle + struct.pack("<QII", offset, device, 0)
+        value, _ = self._call(REGISTER, len(payload), REGISTER_CUDA, size, payload)
+        return value
+
+    def register_tensor(self, tensor):
+        """Registers a contiguous CUDA tensor's bytes (torch is imported only here)."""
+        import torch  # noqa: F401  (only to fail clearly when it is missing)
+
+        if not tensor.is_cuda or not tensor.is_contiguous():
+            raise ValueError("register_tensor needs a contiguous CUDA tensor")
+        storage = tensor.untyped_storage()
+        device, handle, _size, storage_offset = storage._share_cuda_()[:4]
+        handle = bytes(handle)
+        # torch's caching allocator prefixes the cudaIpcMemHandle_t with a
+        # version byte and a type byte ('c': a plain cudaMalloc block).
+        if len(handle) == 66:
+            if handle[1:2] != b"c":
+                raise ValueError("this tensor lives in an expandable segment, which has no CUDA IPC "
+                                 "memory handle; allocate it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
+            handle = handle[2:]
+        offset = storage_offset + tensor.storage_offset() * tensor.element_size()
+        return self.register_cuda_region(handle, tensor.numel() * tensor.element_size(), device, offset)
+
+    def unregister(self, region):
+        self._call(UNREGISTER, 0, region)
+
+    def _io_body(self, entries):
+        # One struct.pack call for the whole batch: per-entry packing costs
+        # more than the rest of a 1024-entry request.
+        flat = []
+        add = flat.extend
+        for layer, block, head, kind, region, offset in entries:
+            add((block, layer, head, _kind(kind), region, offset))
+        return struct.pack("<" + _IO_ENTRY * (len(flat) // 6), *flat)
+
+    def _key_body(self, keys):
+        flat = []
+        add = flat.extend
+        for layer, block, head, kind in keys:
+            add((block, layer, head, _kind(kind), 0))
+        return struct.pack("<" + _KEY_ENTRY * (len(flat) // 5), *flat)
+
+    def encode_entries(self, entries):
+        """Pre-encodes RESTORE/STORE entries; pass the result to restore() or
+        store() in place of the list to skip encoding on every call (an
+        engine reusing the same block tables, a benchmark)."""
+        return Encoded(self._io_body(list(entries)))
+
+    def _entries(self, entries):
+        if isinstance(entries, Encoded):
+            return len(entries) // 32, entries
+        entries = list(entries)
+        return len(entries), self._io_body(entries)
+
+    def _scratch_for(self, size):
+        """A host region of this session for batches' entries, at least
+        `size` bytes (called with the lock held)."""
+        if self._scratch is None or self._scratch[2] < size:
+            old = self._scratch
+            cap = 1 << max(20, (size - 1).bit_length())
+            d = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            fd, path = tempfile.mkstemp(prefix="kvfs-entries-", dir=d)
+            try:
+                os.ftruncate(fd, cap)
+                region = self.register_host_region(path, cap)
+                mm = mmap.mmap(fd, cap)
+            finally:
+                os.close(fd)
+                os.unlink(path)  # the daemon keeps its mapping
+            self._scratch = (region, mm, cap)
+            if old is not None:
+                self.unregister(old[0])
+                old[1].close()
+        return self._scratch
+
+    def _io(self, command, entries):
+        count, body = self._entries(entries)
+        if not self._use_ioctl or _HEADER.size + len(body) <= _IOCTL_MAX:
+            return self._call(command, count, body=body)
+        # Too large for one ioctl: the entries go into this session's
+        # scratch region and the request names them there (a bare header,
+        # one trip through FUSE). The daemon has read them when the call
+        # returns, so the next call may reuse the space.
+        with self._lock:
+            region, mm, _ = self._scratch_for(len(body))
+            mm[:len(body)] = body
+            return self._call(command, count, (region << 32) | ENTRIES_IN_REGION, 0)
+
+    def restore(self, entries, wait=True):
+        """Restores groups into regions. entries: (layer, block, head, 'K'|'V', region, offset).
+        Returns the ticket (after it finished, when wait is true); for CUDA
+        regions the ticket carries .ipc_event_handle."""
+        ticket = _ticket(*self._io(RESTORE, entries))
+        if wait:
+            self.wait(ticket)
+        return ticket
+
+    def store(self, entries, wait=True):
+        """Makes region bytes the groups' contents. Same entries as restore."""
+        ticket, _ = self._io(STORE, entries)
+        if wait:
+            self.wait(ticket)
+        return ticket
+
+    def prefetch(self, keys, wait=True):
+        """Brings groups into T1. keys: (layer, block, head, 'K'|'V')."""
+        keys = list(keys)
+        ticket, _ = self._call(PREFETCH, len(keys), body=self._key_body(keys))
+        if wait:
+            self.wait(ticket)
+        return ticket
+
+    def query(self, keys):
+        """[(state, dirty)] per key, state one of 't1', 'backing', 'empty'."""
+        keys = list(keys)
+        st = self._call(QUERY, len(keys), body=self._key_body(keys), states=True)
+        return [(STATES.get(s, "unknown"), bool(d)) for s, d, _, _ in st]
+
+    def wait(self, ticket, timeout=None):
+        """Waits for a ticket (timeout in seconds; None: forever). Raises
+        KvfsError if any entry failed or the timeout passed."""
+        ms = FOREVER if timeout is None else max(0, int(timeout * 1000))
+        self._call(WAIT, 0, ticket, ms)
+        return ticket
