@@ -289,8 +289,7 @@ fn run(cli: Cli) -> Result<()> {
                 })?;
             }
             BenchCmd::Backing {
-                dir,
-                tier,
+                tier: TierKind::Redis,
                 qd,
                 remote,
                 connections,
@@ -298,11 +297,11 @@ fn run(cli: Cli) -> Result<()> {
                 file_size,
                 seconds,
                 rounds,
-            } if tier == TierKind::Redis => {
+                ..
+            } => {
                 if remote.is_empty() {
                     anyhow::bail!("--tier redis needs --remote URL");
                 }
-                let _ = dir;
                 kvfs::bench::redis::run(&kvfs::bench::redis::RedisBench {
                     remote: kvfs::tier::RemoteConfig {
                         urls: remote,

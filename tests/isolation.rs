@@ -103,14 +103,16 @@ fn a_second_user_uses_only_its_own_regions_and_may_not_store() {
     assert_eq!(fs::metadata(&ctl).unwrap().mode() & 0o777, 0o666);
     // Root writes a group through the filesystem.
     fs::write(m.p("L0/B1/H0/K"), pattern(41, GB)).unwrap();
-    // The client library, readable by anyone.
+    // The client package (tools/python/kvfs), readable by anyone.
     let lib = tempfile::tempdir().unwrap();
     fs::set_permissions(lib.path(), fs::Permissions::from_mode(0o755)).unwrap();
-    fs::copy(
-        concat!(env!("CARGO_MANIFEST_DIR"), "/tools/kvfs_client.py"),
-        lib.path().join("kvfs_client.py"),
-    )
-    .unwrap();
+    let pkg = lib.path().join("kvfs");
+    fs::create_dir(&pkg).unwrap();
+    fs::set_permissions(&pkg, fs::Permissions::from_mode(0o755)).unwrap();
+    for f in ["__init__.py", "client.py"] {
+        let src = format!("{}/tools/python/kvfs/{f}", env!("CARGO_MANIFEST_DIR"));
+        fs::copy(src, pkg.join(f)).unwrap();
+    }
     // Region files: root's (0600) and the second user's own.
     let shm = tempfile::tempdir_in("/dev/shm").unwrap();
     fs::set_permissions(shm.path(), fs::Permissions::from_mode(0o755)).unwrap();
@@ -132,7 +134,7 @@ fn a_second_user_uses_only_its_own_regions_and_may_not_store() {
     let script = format!(
         r#"
 import errno, os
-from kvfs_client import Kvfs, KvfsError
+from kvfs import Kvfs, KvfsError
 def code(f):
     try:
         f()
