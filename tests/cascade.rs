@@ -8,231 +8,13 @@ use kvfs::tier::{Fault, FaultTier, FileTier, MemTier, TierKind};
 use proptest::prelude::*;
 
 mod common;
+#[path = "common/model.rs"]
+mod model;
 use common::pattern;
+use model::{cfg, op_strategy, open, run_model, small_layout};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
-
-/// 2 layers × 4 blocks × 2 heads × {K,V} = 32 groups of 256 bytes.
-fn small_layout() -> GroupLayout {
-    GroupLayout::new(2, 4, 2, 4, 32, Dtype::Fp16).unwrap()
-}
-
-fn cfg(slots: u64, layout: &GroupLayout, policy: PolicyKind, promote: bool) -> CascadeConfig {
-    CascadeConfig {
-        t1_bytes: slots * layout.stride(),
-        policy,
-        promote_on_miss: promote,
-        // Two-slot chunks: most T1s here arrive in several pieces, so the
-        // background allocation and adoption run under every test.
-        t1_chunk_bytes: 2 * layout.stride(),
-        ..CascadeConfig::default()
-    }
-}
-
-fn open(dir: &Path, tier: TierKind, layout: GroupLayout, c: CascadeConfig) -> Cascade {
-    Cascade::open(
-        &BackingConfig {
-            dir: dir.to_path_buf(),
-            layout: Some(layout),
-            tier,
-            queue_depth: 8,
-            remote: None,
-        },
-        c,
-    )
-    .unwrap()
-}
-
-#[derive(Clone, Debug)]
-enum Op {
-    Full(u64, u64),
-    Partial(u64, usize, usize, u64),
-    Read(u64, usize, usize),
-    /// Whole groups through the batched path (hits, misses, empties mixed).
-    ReadMany(Vec<u64>),
-    /// Whole-group writes through write_groups (duplicates allowed: the
-    /// last wins); a `false` entry's fill fails and must change nothing.
-    WriteMany(Vec<(u64, u64, bool)>),
-    /// Whole-group writes in place through claim_slots (distinct groups;
-    /// those without a slot through write_groups), committed or dropped.
-    WriteSlots(Vec<(u64, u64)>, bool),
-    Flush(u64),
-    Prefetch(u64),
-    SyncAll,
-    Reopen,
-}
-
-fn op_strategy(groups: u64, gb: usize) -> impl Strategy<Value = Op> {
-    prop_oneof![
-        4 => (0..groups, any::<u64>()).prop_map(|(g, s)| Op::Full(g, s)),
-        4 => (0..groups, 0..gb, 1..=gb, any::<u64>()).prop_map(move |(g, o, l, s)| {
-            let l = l.min(gb - o);
-            Op::Partial(g, o, l.max(1), s)
-        }),
-        6 => (0..groups, 0..gb, 1..=gb).prop_map(move |(g, o, l)| Op::Read(g, o, l.min(gb - o).max(1))),
-        2 => proptest::collection::vec(0..groups, 1..12).prop_map(Op::ReadMany),
-        2 => proptest::collection::vec((0..groups, any::<u64>(), proptest::bool::weighted(0.9)), 1..12)
-            .prop_map(Op::WriteMany),
-        2 => (proptest::collection::vec((0..groups, any::<u64>()), 1..12), proptest::bool::weighted(0.8))
-            .prop_map(|(ws, commit)| Op::WriteSlots(ws, commit)),
-        1 => (0..groups).prop_map(Op::Flush),
-        1 => (0..groups).prop_map(Op::Prefetch),
-        1 => Just(Op::SyncAll),
-        1 => Just(Op::Reopen),
-    ]
-}
-
-fn run_model(
-    tier: TierKind,
-    ops: &[Op],
-    slots: u64,
-    policy: PolicyKind,
-    promote: bool,
-) -> Result<(), TestCaseError> {
-    let layout = small_layout();
-    let gb = layout.group_bytes() as usize;
-    let dir = tempfile::tempdir().unwrap();
-    let c = cfg(slots, &layout, policy, promote);
-    let mut cas = Some(open(dir.path(), tier, layout, c));
-    let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
-    for op in ops {
-        let k = cas.as_ref().unwrap();
-        match *op {
-            Op::Full(g, s) => {
-                let d = pattern(s, gb);
-                k.write(GroupIndex(g), 0, &d).unwrap();
-                model.insert(g, d);
-            }
-            Op::Partial(g, o, l, s) => {
-                let d = pattern(s, l);
-                k.write(GroupIndex(g), o as u64, &d).unwrap();
-                model.entry(g).or_insert_with(|| vec![0; gb])[o..o + l].copy_from_slice(&d);
-            }
-            Op::Read(g, o, l) => {
-                let mut out = vec![0xeeu8; l];
-                k.read(GroupIndex(g), o as u64, &mut out).unwrap();
-                let want = model
-                    .get(&g)
-                    .map(|m| m[o..o + l].to_vec())
-                    .unwrap_or(vec![0; l]);
-                prop_assert_eq!(out, want, "group {} bytes {}..{}", g, o, o + l);
-            }
-            Op::ReadMany(ref gs) => {
-                let mut bufs: Vec<Vec<u8>> = gs.iter().map(|_| vec![0xeeu8; gb]).collect();
-                let mut items: Vec<(GroupIndex, &mut [u8])> = gs
-                    .iter()
-                    .zip(bufs.iter_mut())
-                    .map(|(g, b)| (GroupIndex(*g), b.as_mut_slice()))
-                    .collect();
-                for r in k.read_groups(&mut items) {
-                    r.unwrap();
-                }
-                for (g, b) in gs.iter().zip(&bufs) {
-                    let want = model.get(g).cloned().unwrap_or(vec![0; gb]);
-                    prop_assert_eq!(b, &want, "batched read of group {}", g);
-                }
-            }
-            Op::WriteMany(ref ws) => {
-                let groups: Vec<GroupIndex> = ws.iter().map(|w| GroupIndex(w.0)).collect();
-                let rs = k.write_groups(&groups, |i, dst| {
-                    let (_, seed, ok) = ws[i];
-                    if !ok {
-                        return Err(CascadeError::RegionFault("test: fill refused".into()));
-                    }
-                    dst.copy_from_slice(&pattern(seed, gb));
-                    Ok(())
-                });
-                for (&(g, seed, ok), r) in ws.iter().zip(rs) {
-                    prop_assert_eq!(r.is_ok(), ok, "write_groups entry for group {}", g);
-                    if ok {
-                        model.insert(g, pattern(seed, gb));
-                    }
-                }
-            }
-            Op::WriteSlots(ref ws, commit) => {
-                let mut seen = std::collections::HashSet::new();
-                let ws: Vec<(u64, u64)> = ws.iter().copied().filter(|w| seen.insert(w.0)).collect();
-                let groups: Vec<GroupIndex> = ws.iter().map(|w| GroupIndex(w.0)).collect();
-                let mut sw = k.claim_slots(&groups, false);
-                let mut rest = Vec::new();
-                for (i, &(g, seed)) in ws.iter().enumerate() {
-                    match sw.bytes_mut(i) {
-                        Some(b) => {
-                            // What a failed device copy would leave: a torn mix.
-                            b.copy_from_slice(&pattern(seed, gb));
-                            if !commit {
-                                b[..gb / 2].fill(0xa5);
-                            }
-                        }
-                        None => rest.push((g, seed)),
-                    }
-                }
-                if commit {
-                    for &(g, seed) in ws.iter() {
-                        model.insert(g, pattern(seed, gb));
-                    }
-                    sw.commit();
-                } else {
-                    for &(g, seed) in &rest {
-                        model.insert(g, pattern(seed, gb));
-                    }
-                    drop(sw);
-                }
-                let gs: Vec<GroupIndex> = rest.iter().map(|w| GroupIndex(w.0)).collect();
-                for r in k.write_groups(&gs, |i, dst| {
-                    dst.copy_from_slice(&pattern(rest[i].1, gb));
-                    Ok(())
-                }) {
-                    r.unwrap();
-                }
-            }
-            Op::Flush(g) => k.flush(GroupIndex(g)).unwrap(),
-            Op::Prefetch(g) => k.prefetch(GroupIndex(g)).unwrap(),
-            Op::SyncAll => k.sync_all().unwrap(),
-            Op::Reopen => {
-                drop(cas.take());
-                cas = Some(open(dir.path(), tier, layout, c));
-                // After a close every group is clean and where it belongs.
-                let k = cas.as_ref().unwrap();
-                for g in 0..layout.group_count() {
-                    let q = k.query(GroupIndex(g)).unwrap();
-                    prop_assert!(!q.dirty);
-                    let want = if model.contains_key(&g) {
-                        Residence::Backing
-                    } else {
-                        Residence::Empty
-                    };
-                    prop_assert_eq!(q.residence, want, "group {}", g);
-                }
-            }
-        }
-        let k = cas.as_ref().unwrap();
-        let st = k.stats();
-        prop_assert!(st.t1_slots_used <= st.t1_slots_total);
-        prop_assert!(st.dirty_slots <= st.t1_slots_used);
-    }
-    // Every group, in full, matches the model at the end and after a reopen.
-    for pass in 0..2 {
-        let k = cas.as_ref().unwrap();
-        for g in 0..layout.group_count() {
-            let mut out = vec![0u8; gb];
-            k.read(GroupIndex(g), 0, &mut out).unwrap();
-            let want = model.get(&g).cloned().unwrap_or(vec![0; gb]);
-            prop_assert_eq!(&out, &want, "group {} (pass {})", g, pass);
-            let q = k.query(GroupIndex(g)).unwrap();
-            if model.contains_key(&g) {
-                prop_assert_ne!(q.residence, Residence::Empty);
-            } else {
-                prop_assert!(q.residence != Residence::Backing);
-            }
-        }
-        drop(cas.take());
-        cas = Some(open(dir.path(), tier, layout, c));
-    }
-    prop_assert_eq!(cas.as_ref().unwrap().stats().checksum_failures, 0);
-    Ok(())
-}
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
@@ -243,7 +25,7 @@ proptest! {
         slots in 1u64..5, lru in any::<bool>(), promote in any::<bool>(),
     ) {
         let p = if lru { PolicyKind::Lru } else { PolicyKind::Sieve };
-        run_model(TierKind::File, &ops, slots, p, promote)?;
+        run_model(TierKind::File, None, &ops, slots, p, promote)?;
     }
 
     #[test]
@@ -252,7 +34,7 @@ proptest! {
         slots in 1u64..5, lru in any::<bool>(), promote in any::<bool>(),
     ) {
         let p = if lru { PolicyKind::Lru } else { PolicyKind::Sieve };
-        run_model(TierKind::Uring, &ops, slots, p, promote)?;
+        run_model(TierKind::Uring, None, &ops, slots, p, promote)?;
     }
 }
 
@@ -316,6 +98,52 @@ fn failed_eviction_keeps_the_victim_and_reports() {
         assert_eq!(out, data[g as usize], "group {g}");
     }
     assert_eq!(c.stats().dirty_slots, 0);
+}
+
+#[test]
+fn a_failed_eviction_takes_a_clean_victim_instead() {
+    for policy in [PolicyKind::Sieve, PolicyKind::Lru] {
+        let layout = small_layout();
+        let gb = layout.group_bytes() as usize;
+        let (tier, sw) = FaultTier::new(MemTier::new(layout));
+        let meta = MetaTable::anonymous(layout.group_count()).unwrap();
+        // One chunk: all 4 slots from the start.
+        let c4 = CascadeConfig {
+            t1_chunk_bytes: 4 * layout.stride(),
+            ..cfg(4, &layout, policy, false)
+        };
+        let c = Cascade::new(layout, Box::new(tier), meta, c4).unwrap();
+        assert_eq!(c.t1_ready_slots(), 4);
+        // The two oldest groups (the policy's first victims) are dirty, the
+        // two newest clean.
+        for g in 0..4 {
+            c.write(GroupIndex(g), 0, &pattern(g, gb)).unwrap();
+        }
+        c.flush(GroupIndex(2)).unwrap();
+        c.flush(GroupIndex(3)).unwrap();
+        sw.fail_writes(Some(Fault::Eio));
+        // The backing takes nothing: new groups go to the clean slots.
+        for g in 4..6 {
+            c.write(GroupIndex(g), 0, &pattern(g, gb))
+                .unwrap_or_else(|e| panic!("{policy:?}: write of group {g}: {e}"));
+        }
+        for g in 0..2 {
+            let q = c.query(GroupIndex(g)).unwrap();
+            assert_eq!((q.residence, q.dirty), (Residence::T1, true), "{policy:?}");
+        }
+        // Only dirty slots are left: a new group fails, and nothing is lost.
+        let e = c.write(GroupIndex(6), 0, &pattern(6, gb)).unwrap_err();
+        assert_eq!(errno(&e), Some(libc::EIO), "{e}");
+        assert_eq!(c.query(GroupIndex(6)).unwrap().residence, Residence::Empty);
+        sw.heal();
+        c.write(GroupIndex(6), 0, &pattern(6, gb)).unwrap();
+        c.sync_all().unwrap();
+        for g in 0..7 {
+            let mut out = vec![0; gb];
+            c.read(GroupIndex(g), 0, &mut out).unwrap();
+            assert_eq!(out, pattern(g, gb), "{policy:?}: group {g}");
+        }
+    }
 }
 
 #[test]

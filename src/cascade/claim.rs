@@ -4,8 +4,8 @@
 //! among resident slots with no pin and no lock holder, and returns it
 //! mapped, pinned and write-locked. A dirty victim is marked `Evicting`
 //! and written back outside the state lock before its slot is reused; if
-//! that write fails it stays resident and dirty and the caller gets the
-//! error. A fill that fails abandons its claim: the slot goes back to the
+//! that write fails it stays resident and dirty, and the claim takes a
+//! clean victim instead, or, with none, gives the caller the error. A fill that fails abandons its claim: the slot goes back to the
 //! free list and the group reads from the backing as before. `claim_slots`
 //! hands out only free or clean slots and only try-locks them, so holding
 //! many cannot deadlock and dropping them after a failed copy loses nothing.
@@ -94,6 +94,12 @@ impl Cascade {
     /// Finds a slot for `g`: a free one, or a victim (written back first if
     /// dirty). Returns it mapped to `g`, pinned and write-locked.
     pub(super) fn claim(&self, g: GroupIndex) -> Result<Claim<'_>, CascadeError> {
+        // Set once a dirty victim's write-back failed (the backing is full
+        // or unreachable): from then on only clean victims are taken, and
+        // with none left that error is the caller's. Without this, one
+        // group that cannot be written back would fail every write while
+        // T1 still holds clean slots that could be reused at no risk.
+        let mut failed: Option<CascadeError> = None;
         loop {
             let mut st = self.state.lock();
             if st.map.contains_key(&g) {
@@ -121,12 +127,20 @@ impl Cascade {
                 let State {
                     policy, slot_state, ..
                 } = &mut *st;
+                let dirty = &self.dirty;
+                let clean_only = failed.is_some();
                 policy.victim(&mut |s| {
                     slot_state[s.0 as usize] == SlotState::Resident
                         && pins[s.0 as usize].load(Ordering::Acquire) == 0
                         && !locks[s.0 as usize].is_locked()
+                        && !(clean_only && dirty[s.0 as usize].load(Ordering::Acquire))
                 })
             };
+            if victim.is_none()
+                && let Some(e) = failed.take()
+            {
+                return Err(e);
+            }
             let Some(v) = victim else {
                 // Every slot is pinned or being evicted: wait for a change.
                 self.changed.wait_for(&mut st, Duration::from_millis(1));
@@ -155,7 +169,8 @@ impl Cascade {
                 drop(guard);
                 drop(st);
                 drop(pin);
-                return Err(e);
+                failed = Some(e);
+                continue;
             }
             self.clear_dirty(v);
             st.map.remove(&old);

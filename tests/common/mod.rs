@@ -30,19 +30,39 @@ pub struct Mount {
 
 impl Mount {
     pub fn new(extra: &[&str]) -> Mount {
-        let m = tempfile::tempdir().unwrap();
-        let b = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-        let mount = Mount {
-            mp: m.path().to_path_buf(),
-            backing: b.path().join("store"),
-            _dirs: (m, b),
-        };
+        let mount = Mount::unmounted();
         mount.mount(extra);
         mount
     }
 
+    /// The mount point and backing directory, with nothing mounted yet.
+    pub fn unmounted() -> Mount {
+        let m = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        Mount {
+            mp: m.path().to_path_buf(),
+            backing: b.path().join("store"),
+            _dirs: (m, b),
+        }
+    }
+
     pub fn mount(&self, extra: &[&str]) {
-        let mut args: Vec<&str> = vec!["--t1", "64KiB"];
+        let out = self.try_mount(extra);
+        assert!(
+            out.status.success(),
+            "mount failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// `kvfs mount` with the small default geometry (unless `extra` gives
+    /// one) and a 64 KiB T1 (unless `extra` gives `--t1`); its output,
+    /// success or not.
+    pub fn try_mount(&self, extra: &[&str]) -> std::process::Output {
+        let mut args: Vec<&str> = Vec::new();
+        if !extra.iter().any(|a| *a == "--t1" || a.starts_with("--t1=")) {
+            args.extend(["--t1", "64KiB"]);
+        }
         if !extra
             .iter()
             .any(|a| a.starts_with("--preset") || a.starts_with("--layers"))
@@ -63,19 +83,14 @@ impl Mount {
             ]);
         }
         args.extend(extra);
-        let out = kvfs()
+        kvfs()
             .arg("mount")
             .arg(&self.mp)
             .arg("--backing")
             .arg(&self.backing)
             .args(&args)
             .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "mount failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+            .unwrap()
     }
 
     pub fn p(&self, rel: &str) -> PathBuf {
