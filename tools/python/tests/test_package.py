@@ -81,8 +81,9 @@ class PackageTest(unittest.TestCase):
         self.assertIn("imported " + kvfs.__version__, out)
 
     def test_no_module_level_torch_import(self):
-        # Also statically: no module of the package imports torch outside a
-        # function body (module level, class bodies, try/if blocks).
+        # Also statically: no module of the package but the torch ones
+        # (kvfs.hf) imports torch outside a function body (module level,
+        # class bodies, try/if blocks).
         import ast
 
         def outside_functions(node):
@@ -93,8 +94,10 @@ class PackageTest(unittest.TestCase):
                 yield from outside_functions(child)
 
         pkg = os.path.dirname(os.path.abspath(kvfs.__file__))
+        # Modules that exist for torch users import it; nothing else may.
+        torch_modules = {"hf.py", "hf_demo.py"}
         for name in sorted(os.listdir(pkg)):
-            if not name.endswith(".py"):
+            if not name.endswith(".py") or name in torch_modules:
                 continue
             with open(os.path.join(pkg, name)) as f:
                 tree = ast.parse(f.read(), name)
