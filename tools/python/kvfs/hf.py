@@ -41,26 +41,19 @@ holds is ignored.
 
 import ctypes
 import hashlib
-import json
 import os
-import sqlite3
-import time
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .client import Encoded, Kvfs
+from .prefix import DEFAULT_INDEX, OutOfBlocks, PrefixIndex  # noqa: F401  (re-exported)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEFAULT_INDEX = os.path.join(os.path.expanduser("~"), ".cache", "kvfs", "prefix-index.sqlite")
 
 
 class GeometryError(ValueError):
     """The mount's geometry cannot hold this model's KV cache."""
-
-
-class OutOfBlocks(RuntimeError):
-    """The mount has no free range of blocks this large."""
 
 
 def _text_config(config):
@@ -77,90 +70,6 @@ def model_shape(config):
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     return c.num_hidden_layers, kv_heads, head_dim, dtype
-
-
-class PrefixIndex:
-    """Block-aligned token prefixes → kvfs blocks, and leases of block
-    ranges to live caches (see the module note)."""
-
-    def __init__(self, path=DEFAULT_INDEX):
-        self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.db = sqlite3.connect(path, timeout=30, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute(
-            "CREATE TABLE IF NOT EXISTS prefix (key TEXT PRIMARY KEY, block INTEGER NOT NULL, "
-            "tokens INTEGER NOT NULL, created REAL NOT NULL)")
-        self.db.execute(
-            "CREATE TABLE IF NOT EXISTS lease (base INTEGER NOT NULL, count INTEGER NOT NULL, "
-            "pid INTEGER NOT NULL, started REAL NOT NULL)")
-
-    @staticmethod
-    def key(model_id, tokens):
-        h = hashlib.sha256(model_id.encode())
-        h.update(json.dumps([int(t) for t in tokens]).encode())
-        return h.hexdigest()
-
-    def lease(self, need, total):
-        """A range of `need` consecutive blocks no live cache leases and no
-        indexed prefix uses; raises OutOfBlocks."""
-        db = self.db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            for base, count, pid in db.execute("SELECT base, count, pid FROM lease").fetchall():
-                if not _alive(pid):
-                    db.execute("DELETE FROM lease WHERE pid = ?", (pid,))
-            used = [(b, b + 1) for (b,) in db.execute("SELECT block FROM prefix")]
-            used += [(b, b + c) for b, c in db.execute("SELECT base, count FROM lease")]
-            used.sort()
-            at = 0
-            for lo, hi in used:
-                if lo - at >= need:
-                    break
-                at = max(at, hi)
-            if at + need > total:
-                raise OutOfBlocks(
-                    f"the mount has {total} blocks; no {need} consecutive ones are free "
-                    f"({len(used)} ranges in use by live caches and saved prefixes): "
-                    f"lower max_tokens or batch_size, or mount with more --blocks")
-            db.execute("INSERT INTO lease VALUES (?, ?, ?, ?)", (at, need, os.getpid(), time.time()))
-            db.execute("COMMIT")
-            return at
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-
-    def release(self, base):
-        self.db.execute("DELETE FROM lease WHERE base = ? AND pid = ?", (base, os.getpid()))
-
-    def add(self, rows):
-        """rows: (key, block, tokens). The first writer of a key wins; the
-        bytes are the same for the same model and tokens."""
-        self.db.execute("BEGIN IMMEDIATE")
-        self.db.executemany("INSERT OR IGNORE INTO prefix VALUES (?, ?, ?, ?)",
-                            [(k, b, t, time.time()) for k, b, t in rows])
-        self.db.execute("COMMIT")
-
-    def find(self, keys):
-        """Blocks of the longest run keys[0..k) that are all indexed."""
-        out = []
-        for k in keys:
-            row = self.db.execute("SELECT block FROM prefix WHERE key = ?", (k,)).fetchone()
-            if row is None:
-                break
-            out.append(row[0])
-        return out
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 class KvfsLayer(DynamicLayer):
@@ -239,7 +148,7 @@ class KvfsCache(Cache):
                 f"{g['kv_heads']} KV heads, head_dim {g['head_dim']}, {g['dtype']}; the model needs "
                 f"{want[0]} layers, {want[1]} KV heads, head_dim {want[2]}, {str(dtype).replace('torch.', '')} "
                 f"(mount one with --layers {layers} --kv-heads {kv_heads} --head-dim {head_dim} "
-                f"--dtype <matching>)")
+                f"--dtype {next((k for k, v in DTYPES.items() if v == dtype), '?')})")
         self.n_layers, self.heads, self.head_dim, self.dtype = layers, kv_heads, head_dim, dtype
         self.bt = g["block_tokens"]
         self.batch = batch_size
