@@ -42,30 +42,6 @@ fn path(k: &GroupKey) -> String {
     k.to_string()
 }
 
-struct ShmRegion {
-    file: tempfile::NamedTempFile,
-    len: u64,
-}
-
-impl ShmRegion {
-    fn new(len: u64) -> ShmRegion {
-        let file = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
-        file.as_file().set_len(len).unwrap();
-        ShmRegion { file, len }
-    }
-    fn path(&self) -> PathBuf {
-        self.file.path().to_path_buf()
-    }
-    fn read(&self, off: u64, len: usize) -> Vec<u8> {
-        let mut b = vec![0u8; len];
-        self.file.as_file().read_exact_at(&mut b, off).unwrap();
-        b
-    }
-    fn write(&self, off: u64, data: &[u8]) {
-        self.file.as_file().write_all_at(data, off).unwrap();
-    }
-}
-
 fn errno(r: Result<impl std::fmt::Debug, kvfs::client::ClientError>) -> (i32, Option<u32>, String) {
     match r {
         Err(kvfs::client::ClientError::Refused {

@@ -204,9 +204,10 @@ fn cluster_round_trip_spreads_keys_over_masters() {
     assert!(read(&t2, &idx, 1).into_iter().all(|r| r.unwrap()));
 }
 
-/// Moves the slot of `key` from its owner to another master by hand,
-/// leaving the tier's slot map stale, so the next op meets `MOVED`.
-fn move_slot(c: &RedisCluster, key: &str) -> (usize, usize) {
+/// Starts moving the slot of `key` from its owner to the next master by
+/// hand: marks it importing and migrating, and migrates the first `share`
+/// of its keys. Returns (slot, owner, target).
+fn start_migration(c: &RedisCluster, key: &str, share: f64) -> (String, usize, usize) {
     let slot = c.nodes[0].cli(&["cluster", "keyslot", key]);
     let owner = c
         .nodes
@@ -226,7 +227,9 @@ fn move_slot(c: &RedisCluster, key: &str) -> (usize, usize) {
         "OK"
     );
     let keys = src.cli(&["cluster", "getkeysinslot", &slot, "1000"]);
-    for k in keys.lines() {
+    let keys: Vec<&str> = keys.lines().collect();
+    let n = (keys.len() as f64 * share) as usize;
+    for k in &keys[..n] {
         let r = src.cli(&[
             "migrate",
             "127.0.0.1",
@@ -237,6 +240,14 @@ fn move_slot(c: &RedisCluster, key: &str) -> (usize, usize) {
         ]);
         assert_eq!(r, "OK", "migrate {k}");
     }
+    (slot, owner, to)
+}
+
+/// Moves the slot of `key` from its owner to another master by hand,
+/// leaving the tier's slot map stale, so the next op meets `MOVED`.
+fn move_slot(c: &RedisCluster, key: &str) -> (usize, usize) {
+    let (slot, owner, to) = start_migration(c, key, 1.0);
+    let dst_id = c.nodes[to].cli(&["cluster", "myid"]);
     for s in &c.nodes {
         assert_eq!(s.cli(&["cluster", "setslot", &slot, "node", &dst_id]), "OK");
     }
@@ -537,37 +548,8 @@ fn cluster_follows_ask_during_a_slot_migration() {
     let (c0, c1): (Vec<u64>, Vec<u64>) = block0.iter().partition(|&&i| i % COPIES == 0);
     assert!(write(&t, &c0, 1).iter().all(|r| r.is_ok()));
     // Start moving block 0's slot; move half its keys; leave it migrating.
-    let key = key_of(0);
-    let slot = c.nodes[0].cli(&["cluster", "keyslot", &key]);
-    let owner = c
-        .nodes
-        .iter()
-        .position(|s| s.cli(&["cluster", "countkeysinslot", &slot]) != "0")
-        .unwrap();
-    let (src, dst) = (&c.nodes[owner], &c.nodes[(owner + 1) % 3]);
-    let dst_id = dst.cli(&["cluster", "myid"]);
-    let src_id = src.cli(&["cluster", "myid"]);
-    assert_eq!(
-        dst.cli(&["cluster", "setslot", &slot, "importing", &src_id]),
-        "OK"
-    );
-    assert_eq!(
-        src.cli(&["cluster", "setslot", &slot, "migrating", &dst_id]),
-        "OK"
-    );
-    let keys = src.cli(&["cluster", "getkeysinslot", &slot, "1000"]);
-    let keys: Vec<&str> = keys.lines().collect();
-    for k in &keys[..keys.len() / 2] {
-        let r = src.cli(&[
-            "migrate",
-            "127.0.0.1",
-            &dst.port.to_string(),
-            k,
-            "0",
-            "5000",
-        ]);
-        assert_eq!(r, "OK");
-    }
+    let (slot, _, to) = start_migration(&c, &key_of(0), 0.5);
+    let dst = &c.nodes[to];
     // Migrated keys answer ASK; new keys are created on the target via ASK.
     assert!(read(&t, &c0, 1).into_iter().all(|r| r.unwrap()));
     assert!(write(&t, &c1, 1).iter().all(|r| r.is_ok()));

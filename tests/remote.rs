@@ -242,28 +242,6 @@ fn round_trips() -> String {
     format!("{}_count{{tier=\"redis\"}}", stats::REMOTE_ROUND_TRIP)
 }
 
-/// A file in /dev/shm to register as a host region.
-struct ShmRegion {
-    file: tempfile::NamedTempFile,
-    len: u64,
-}
-
-impl ShmRegion {
-    fn new(len: u64) -> ShmRegion {
-        let file = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
-        file.as_file().set_len(len).unwrap();
-        ShmRegion { file, len }
-    }
-    fn read(&self, off: u64) -> Vec<u8> {
-        let mut b = vec![0u8; GB];
-        self.file.as_file().read_exact_at(&mut b, off).unwrap();
-        b
-    }
-    fn write(&self, off: u64, data: &[u8]) {
-        self.file.as_file().write_all_at(data, off).unwrap();
-    }
-}
-
 /// (1) The cascade against the `HashMap` model (tests/common/model.rs) with
 /// the redis tier under it: random writes, reads, batches, flushes, syncs
 /// and reopens over a 1-to-4-slot T1, so evictions happen constantly.
@@ -494,7 +472,7 @@ fn restore_of_misses_through_the_control_file() {
         c.wait(t, None).unwrap().ok().unwrap();
         for g in 0..n {
             assert!(
-                dst.read((n - 1 - g) * GBU) == pattern(g + 7, GB),
+                dst.read((n - 1 - g) * GBU, GB) == pattern(g + 7, GB),
                 "restore of group {g}"
             );
         }
@@ -527,7 +505,7 @@ fn restore_of_misses_through_the_control_file() {
     let t = c.restore(&entries).unwrap();
     c.wait(t, None).unwrap().ok().unwrap();
     for (i, &g) in batch.iter().enumerate() {
-        let got = dst.read(i as u64 * GBU);
+        let got = dst.read(i as u64 * GBU, GB);
         let ok = match model.get(&g) {
             Some(w) => got == *w,
             None => got.iter().all(|&b| b == 0),
@@ -645,7 +623,7 @@ fn a_killed_server_fails_fast_keeps_t1_and_recovers_on_restart() {
             }
             other => panic!("RESTORE with the server down: {other:?}"),
         }
-        assert!(dst.read(0) == model[&64]);
+        assert!(dst.read(0, GB) == model[&64]);
     }
     assert!(r.metric(stats::REMOTE_ERRORS) > errors);
     assert_eq!(r.metric(&nodes("down")), 1.0);

@@ -161,3 +161,30 @@ pub fn names(dir: &Path) -> BTreeSet<String> {
         .map(|e| e.unwrap().file_name().into_string().unwrap())
         .collect()
 }
+
+/// A file in /dev/shm to register as a host region of the control file.
+pub struct ShmRegion {
+    pub file: tempfile::NamedTempFile,
+    pub len: u64,
+}
+
+impl ShmRegion {
+    pub fn new(len: u64) -> ShmRegion {
+        let file = tempfile::NamedTempFile::new_in("/dev/shm").unwrap();
+        file.as_file().set_len(len).unwrap();
+        ShmRegion { file, len }
+    }
+    pub fn path(&self) -> PathBuf {
+        self.file.path().to_path_buf()
+    }
+    pub fn read(&self, off: u64, len: usize) -> Vec<u8> {
+        use std::os::unix::fs::FileExt;
+        let mut b = vec![0u8; len];
+        self.file.as_file().read_exact_at(&mut b, off).unwrap();
+        b
+    }
+    pub fn write(&self, off: u64, data: &[u8]) {
+        use std::os::unix::fs::FileExt;
+        self.file.as_file().write_all_at(data, off).unwrap();
+    }
+}
