@@ -46,27 +46,6 @@ fn layout(blocks: u64) -> GroupLayout {
     GroupLayout::new(2, blocks, 2, 16, 64, Dtype::Bf16).unwrap()
 }
 
-fn geometry(blocks: u64) -> Vec<String> {
-    let b = blocks.to_string();
-    [
-        "--layers",
-        "2",
-        "--blocks",
-        &b,
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "64",
-        "--block-tokens",
-        "16",
-        "--dtype",
-        "bf16",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
-}
-
 /// Runs `f`, which must return within `NO_HANG` (a no-hang check, not a
 /// speed test).
 fn bounded<T>(what: &str, f: impl FnOnce() -> T) -> T {
@@ -105,7 +84,7 @@ impl Remote {
             .iter()
             .map(|s| s.to_string())
             .collect();
-        opts.extend(geometry(blocks));
+        opts.extend(geometry(2, blocks));
         Remote {
             m: Mount::unmounted(),
             layout: layout(blocks),
@@ -731,7 +710,7 @@ fn mount_refuses_evicting_servers_and_warns_about_volatile_ones() {
     r.umount();
     // A store made for redis refuses another tier.
     let mut other: Vec<&str> = vec!["--tier", "file", "--t1", "16KiB"];
-    let geo = geometry(16);
+    let geo = geometry(2, 16);
     other.extend(geo.iter().map(String::as_str));
     let out = r.m.try_mount(&other);
     assert!(

@@ -59,6 +59,7 @@ impl Mount {
     /// one) and a 64 KiB T1 (unless `extra` gives `--t1`); its output,
     /// success or not.
     pub fn try_mount(&self, extra: &[&str]) -> std::process::Output {
+        let geo = geometry(2, 8);
         let mut args: Vec<&str> = Vec::new();
         if !extra.iter().any(|a| *a == "--t1" || a.starts_with("--t1=")) {
             args.extend(["--t1", "64KiB"]);
@@ -67,20 +68,7 @@ impl Mount {
             .iter()
             .any(|a| a.starts_with("--preset") || a.starts_with("--layers"))
         {
-            args.extend([
-                "--layers",
-                "2",
-                "--blocks",
-                "8",
-                "--kv-heads",
-                "2",
-                "--head-dim",
-                "64",
-                "--block-tokens",
-                "16",
-                "--dtype",
-                "bf16",
-            ]);
+            args.extend(geo.iter().map(String::as_str));
         }
         args.extend(extra);
         kvfs()
@@ -187,4 +175,27 @@ impl ShmRegion {
         use std::os::unix::fs::FileExt;
         self.file.as_file().write_all_at(data, off).unwrap();
     }
+}
+
+/// `kvfs mount` flags of the small test geometry: `layers` × `blocks` × 2
+/// KV heads × 16 tokens × head_dim 64, bf16 (groups of `GB` bytes).
+pub fn geometry(layers: u32, blocks: u64) -> Vec<String> {
+    let (l, b) = (layers.to_string(), blocks.to_string());
+    [
+        "--layers",
+        &l,
+        "--blocks",
+        &b,
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+        "--block-tokens",
+        "16",
+        "--dtype",
+        "bf16",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
 }
