@@ -15,6 +15,7 @@ use super::{Cascade, SlotId, SlotState, State};
 use crate::geometry::GroupIndex;
 use crate::gpu::HostBuf;
 use parking_lot::Mutex;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::sync::mpsc;
 
@@ -48,13 +49,13 @@ impl Drop for Pin<'_> {
 
 /// Slots held for device copies (see `Cascade::pin_for_device`): each
 /// slot in `locked` read-locked once, each entry of `pinned` one pin.
-pub struct DevicePins<'a> {
-    c: &'a Cascade,
+pub struct DevicePins {
+    c: Arc<Cascade>,
     locked: Vec<u32>,
     pinned: Vec<(u32, u32)>,
 }
 
-impl Drop for DevicePins<'_> {
+impl Drop for DevicePins {
     fn drop(&mut self) {
         // Locks before pins, as everywhere.
         for &s in &self.locked {
@@ -215,7 +216,10 @@ impl Cascade {
     /// group's slot device address (None where the group is not in T1 or
     /// T1 is not device-mapped). The slots cannot be written, evicted or
     /// reused until the returned guard drops.
-    pub fn pin_for_device(&self, groups: &[GroupIndex]) -> (Vec<Option<u64>>, DevicePins<'_>) {
+    pub fn pin_for_device(
+        self: &Arc<Self>,
+        groups: &[GroupIndex],
+    ) -> (Vec<Option<u64>>, DevicePins) {
         // Pin first, then lock in ascending slot order, each slot once: every
         // holder of several slot locks (this, sync_all) takes them in that
         // order, so waits cannot form a cycle even with queued writers.
@@ -258,10 +262,59 @@ impl Cascade {
         (
             addrs,
             DevicePins {
-                c: self,
+                c: self.clone(),
                 locked,
                 pinned,
             },
         )
+    }
+
+    /// `pin_for_device` for a batch that is all in T1, taken on admission:
+    /// every group's slot device address, pinned and read-locked, or None
+    /// (nothing held) when a group is not in T1, T1 is not device-mapped,
+    /// or a slot is being written right now. It never waits, so a caller
+    /// may hold it across the reply; and it looks every group up once,
+    /// where a residence check and a later pin would look twice.
+    pub fn try_pin_resident(
+        self: &Arc<Self>,
+        groups: &[GroupIndex],
+    ) -> Option<(Vec<u64>, DevicePins)> {
+        let mut pins = DevicePins {
+            c: self.clone(),
+            locked: Vec::new(),
+            pinned: Vec::with_capacity(groups.len()),
+        };
+        {
+            let mut st = self.state.lock();
+            for (i, g) in groups.iter().enumerate() {
+                // A miss drops `pins`, which unpins what was pinned.
+                let &s = st.map.get(g)?;
+                self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+                if st.slot_state[s.0 as usize] == SlotState::Resident {
+                    st.policy.touch(s);
+                }
+                pins.pinned.push((s.0, i as u32));
+            }
+        }
+        pins.pinned.sort_unstable();
+        let mut addrs = vec![0u64; groups.len()];
+        for k in 0..pins.pinned.len() {
+            let (s, i) = pins.pinned[k];
+            if pins.locked.last() != Some(&s) {
+                // Released by DevicePins::drop.
+                std::mem::forget(self.slot_locks[s as usize].try_read()?);
+                pins.locked.push(s);
+            }
+            if !self.holds(SlotId(s), groups[i as usize]) {
+                return None;
+            }
+            addrs[i as usize] = self.slot_device_ptr(SlotId(s))?;
+        }
+        let n = groups.len() as u64;
+        self.counters.hits.fetch_add(n, Ordering::Relaxed);
+        self.counters
+            .t1_read_bytes
+            .fetch_add(n * self.layout.group_bytes(), Ordering::Relaxed);
+        Some((addrs, pins))
     }
 }

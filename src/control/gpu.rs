@@ -2,12 +2,14 @@
 //! GPU transfer engine (`crate::gpu::engine`).
 //!
 //! The engine copies; this room decides what it copies. A restore is
-//! enqueued on admission (so the reply can carry the ticket's IPC event)
-//! and resolved by the job: T1 hits are pinned (their slots cannot be
-//! evicted or rewritten until the copy is done) and read by the kernel
-//! through the device mapping; misses are read from the backing into the
-//! engine's staging. A batch all in T1 goes on the fd's ordered lane; one
-//! with misses on a stream of its own, holding nobody up. A store claims
+//! enqueued on admission (so the reply can carry the ticket's IPC event).
+//! A batch all in T1 is pinned then and there (its slots cannot be
+//! evicted or rewritten until the copy is done), its descriptors written
+//! and its copy let go on the fd's ordered lane, with no staging; the
+//! engine's completion thread waits for it and unpins. Any other batch is
+//! resolved by an executor job on a stream of its own, holding nobody up:
+//! T1 hits are pinned and read by the kernel through the device mapping,
+//! misses read from the backing into the engine's staging. A store claims
 //! T1 slots the kernel may write straight into (groups new to T1, or in it
 //! and clean); the rest land in staging and are written into T1 after.
 
@@ -17,9 +19,46 @@ use super::wire::{Command, NO_ENTRY, Reply};
 use super::{Rejection, reject};
 use crate::cascade::CascadeError;
 use crate::geometry::GroupIndex;
-use crate::gpu::engine::Descriptor;
+use crate::gpu::engine::{Descriptor, DirectRestore, Runs};
 use std::sync::Arc;
 use std::time::Instant;
+
+/// How restores of pinned T1 groups copy (`KVFS_GPU_COPY`): `auto`
+/// (the default) puts a batch on the copy engines when its copies join
+/// into runs of at least ENGINE_RUN_BYTES on average, else runs the gather
+/// kernel; `engines` and `kernel` force one.
+#[derive(Clone, Copy, PartialEq)]
+enum CopyMode {
+    Auto,
+    Engines,
+    Kernel,
+}
+
+/// Auto mode's average run for the copy engines: shorter runs go faster
+/// through the gather kernel.
+const ENGINE_RUN_BYTES: usize = 64 << 10;
+
+fn copy_mode() -> CopyMode {
+    static MODE: std::sync::OnceLock<CopyMode> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("KVFS_GPU_COPY").as_deref() {
+        Ok("engines") => CopyMode::Engines,
+        Ok("kernel") => CopyMode::Kernel,
+        _ => CopyMode::Auto,
+    })
+}
+
+/// Every entry's result after one copy of the whole batch.
+fn copy_results(n: usize, r: &Result<(), String>) -> Vec<Result<(), CascadeError>> {
+    if let Err(e) = r {
+        tracing::error!("a GPU restore failed: {e}");
+    }
+    (0..n)
+        .map(|_| match r {
+            Ok(()) => Ok(()),
+            Err(e) => Err(CascadeError::RegionFault(format!("GPU copy failed: {e}"))),
+        })
+        .collect()
+}
 
 fn no_driver() -> Rejection {
     reject(libc::ENODEV, NO_ENTRY, "no CUDA driver")
@@ -46,22 +85,74 @@ impl Session {
             )
         };
         let checked = Instant::now();
-        let resident = self
-            .ctl
-            .cascade
-            .all_resident(work.items.iter().map(|it| it.g));
+        // A batch all in T1 is pinned here, looked up once, needs no
+        // staging, and goes on the fd's ordered lane.
+        let groups: Vec<GroupIndex> = work.items.iter().map(|it| it.g).collect();
+        let held = self.ctl.cascade.try_pin_resident(&groups);
         let resident_us = checked.elapsed().as_micros() as u64;
-        let mut lane = resident.then(|| self.lane.lock());
+        let held = match held {
+            Some((addrs, pins)) => {
+                match self.copy_on_engines(&work, &addrs, gb as usize, admitted) {
+                    Some(done) => {
+                        return done.map(|(ticket, copy, reply)| {
+                            let s = self.clone();
+                            self.ctl.gpu.then(Box::new(move || {
+                                let started = Instant::now();
+                                let r = copy.finish();
+                                drop(pins);
+                                s.complete(Command::Restore, ticket, started, copy_results(n, &r));
+                            }));
+                            reply
+                        });
+                    }
+                    None => Some((addrs, pins)),
+                }
+            }
+            None => None,
+        };
+        // Only pinned batches use the lane, and each sets its flag before
+        // letting go of it: no copy on the lane waits for a job.
+        let mut lane = held.is_some().then(|| self.lane.lock());
+        let staging_slots = if held.is_some() { 0 } else { n };
         let mut copy = self
             .ctl
             .gpu
-            .restore(n, gb, stride, lane.as_mut())
+            .restore(n, gb, stride, staging_slots, lane.as_mut())
             .map_err(fail)?;
         let ticket = self.new_ticket();
         let mut reply = Reply::ok(Command::Restore, ticket);
         reply.message = format!("ipc_event={}", copy.event().handle_hex());
         self.st.lock().events.insert(ticket, copy.event().clone());
         let s = self.clone();
+        if let Some((addrs, pins)) = held {
+            // All pinned: the descriptors are written and the copy let go
+            // now; the completion thread waits for it and lets go of the
+            // slots. No executor thread is involved, so a writer waiting
+            // on an executor for these slots cannot hold up their release.
+            copy.describe(|i| {
+                let it = &work.items[i];
+                Descriptor {
+                    src: addrs[i],
+                    dst: work.region(it).device_addr(it.offset).unwrap_or(0),
+                }
+            });
+            copy.start();
+            drop(lane);
+            let started = Instant::now();
+            tracing::debug!(
+                ticket,
+                n,
+                admit_us = (started - admitted).as_micros() as u64,
+                resident_us,
+                "GPU restore of pinned T1 groups started"
+            );
+            self.ctl.gpu.then(Box::new(move || {
+                let r = copy.finish();
+                drop(pins);
+                s.complete(Command::Restore, ticket, started, copy_results(n, &r));
+            }));
+            return Ok(reply);
+        }
         let started = Instant::now();
         tracing::debug!(
             ticket,
@@ -75,11 +166,9 @@ impl Session {
             ticket,
             Box::new(move || {
                 let cascade = s.ctl.cascade.clone();
-                let groups: Vec<GroupIndex> = work.items.iter().map(|it| it.g).collect();
                 let job_started = Instant::now();
-                let (hits, pins) = cascade.pin_for_device(&groups);
-                let pin_us = job_started.elapsed().as_micros() as u64;
                 let mut results: Vec<Result<(), CascadeError>> = (0..n).map(|_| Ok(())).collect();
+                let (hits, pins) = cascade.pin_for_device(&groups);
                 let misses: Vec<usize> = (0..n).filter(|&i| hits[i].is_none()).collect();
                 let mut src: Vec<u64> = hits.iter().map(|h| h.unwrap_or(0)).collect();
                 if !misses.is_empty() {
@@ -103,6 +192,8 @@ impl Session {
                         }
                     }
                 }
+                let misses = misses.len();
+                let pin_us = job_started.elapsed().as_micros() as u64;
                 copy.describe(|i| {
                     let it = &work.items[i];
                     Descriptor {
@@ -112,7 +203,7 @@ impl Session {
                 });
                 tracing::debug!(
                     ticket,
-                    misses = misses.len(),
+                    misses,
                     queued_us = (job_started - started).as_micros() as u64,
                     pin_us,
                     "GPU restore: descriptors ready"
@@ -129,11 +220,56 @@ impl Session {
                 s.complete(Command::Restore, ticket, started, results);
             }),
         );
-        // Held until the job is queued: jobs of the ordered lane reach
-        // the executor in lane order, so a job never waits (on its event)
-        // for a copy whose flag only a job queued behind it would set.
-        drop(lane);
         Ok(reply)
+    }
+
+    /// A restore of pinned T1 groups (at `addrs`) on the copy engines,
+    /// when the copy mode picks them: enqueued on the fd's lane, with the
+    /// ticket, its copy and the reply; None when the kernel should copy.
+    #[allow(clippy::type_complexity)]
+    fn copy_on_engines(
+        self: &Arc<Session>,
+        work: &Batch,
+        addrs: &[u64],
+        gb: usize,
+        admitted: Instant,
+    ) -> Option<Result<(u64, DirectRestore, Reply), Rejection>> {
+        let mode = copy_mode();
+        if mode == CopyMode::Kernel || !self.ctl.gpu.has_copy_engines() {
+            return None;
+        }
+        let mut runs = Runs::default();
+        for (it, &src) in work.items.iter().zip(addrs) {
+            runs.push(src, work.region(it).device_addr(it.offset)?, gb);
+        }
+        if mode == CopyMode::Auto && runs.len() * ENGINE_RUN_BYTES > runs.copies() * gb {
+            return None;
+        }
+        let n_runs = runs.len();
+        let mut lane = self.lane.lock();
+        let copy = match self.ctl.gpu.copy_runs(runs, &mut lane) {
+            Ok(c) => c,
+            Err(e) => {
+                return Some(Err(reject(
+                    libc::EIO,
+                    NO_ENTRY,
+                    format!("cannot start the GPU restore: {e}"),
+                )));
+            }
+        };
+        drop(lane);
+        let ticket = self.new_ticket();
+        let mut reply = Reply::ok(Command::Restore, ticket);
+        reply.message = format!("ipc_event={}", copy.event().handle_hex());
+        self.st.lock().events.insert(ticket, copy.event().clone());
+        tracing::debug!(
+            ticket,
+            n = work.len(),
+            runs = n_runs,
+            admit_us = admitted.elapsed().as_micros() as u64,
+            "GPU restore of pinned T1 groups on the copy engines"
+        );
+        Some(Ok((ticket, copy, reply)))
     }
 
     /// A STORE from CUDA regions, at most a chunk of the engine's staging

@@ -398,6 +398,64 @@ impl Cuda {
         check(r, "cuEventRecord")
     }
 
+    /// Whether the driver has cuMemcpyBatchAsync (CUDA 13 signature):
+    /// many copies in one call, run by the copy engines.
+    pub fn has_batch_copy(&self) -> bool {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            let mut v = 0;
+            // SAFETY: v receives the driver's version.
+            let r = unsafe { sys::cuDriverGetVersion(&mut v) };
+            r == sys::CUresult::CUDA_SUCCESS && v >= 13000
+        })
+    }
+
+    /// Enqueues on `stream` the copies `srcs[i] -> dsts[i]` of `sizes[i]`
+    /// bytes (host and device addresses both), on the copy engines (one
+    /// cuMemcpyBatchAsync; see `has_batch_copy`), then records `event`.
+    ///
+    /// # Safety
+    /// Every range is valid memory of this context (pinned host or device)
+    /// until `event` completes.
+    pub unsafe fn enqueue_copies(
+        &self,
+        stream: &Stream,
+        dsts: &mut [u64],
+        srcs: &mut [u64],
+        sizes: &mut [usize],
+        event: &IpcEvent,
+    ) -> Result<(), String> {
+        if dsts.len() != srcs.len() || dsts.len() != sizes.len() {
+            return Err("enqueue_copies: lists of different lengths".into());
+        }
+        self.bind()?;
+        if !dsts.is_empty() {
+            // SAFETY: all-zero is a valid value of this plain C struct.
+            let mut attr: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+            attr.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+            attr.flags = sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32;
+            let mut idx = 0usize;
+            // SAFETY: three lists of equal length (checked), one attribute
+            // for all from index 0; the ranges are the caller's contract.
+            let r = unsafe {
+                sys::cuMemcpyBatchAsync_v2(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    dsts.len(),
+                    &mut attr,
+                    &mut idx,
+                    1,
+                    stream.0,
+                )
+            };
+            check(r, "cuMemcpyBatchAsync")?;
+        }
+        // SAFETY: event and stream are live handles of this context.
+        let r = unsafe { sys::cuEventRecord(event.ev, stream.0) };
+        check(r, "cuEventRecord")
+    }
+
     /// Blocks until everything recorded before `event` has run.
     pub fn wait_event(&self, event: &IpcEvent) -> Result<(), String> {
         self.bind()?;

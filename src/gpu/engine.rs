@@ -103,6 +103,9 @@ impl Drop for ReadyFlag {
     }
 }
 
+/// Work for the completion thread (see `Engine::then`).
+pub type Completion = Box<dyn FnOnce() + Send>;
+
 /// Reused GPU resources.
 #[derive(Default)]
 struct Pool {
@@ -112,6 +115,7 @@ struct Pool {
     tables: Mutex<Vec<HostBuf>>,
     staging: Mutex<Vec<HostBuf>>,
     reaper: OnceLock<Mutex<std::sync::mpsc::Sender<Box<dyn Send>>>>,
+    completer: OnceLock<Mutex<std::sync::mpsc::Sender<Completion>>>,
 }
 
 fn driver() -> Result<&'static Cuda, String> {
@@ -211,10 +215,18 @@ impl Pool {
         }
     }
 
-    fn give(&self, table: HostBuf, stream: Option<Stream>, staging: HostBuf, staged: DeviceBuf) {
+    fn give(
+        &self,
+        table: HostBuf,
+        stream: Option<Stream>,
+        staging: Option<HostBuf>,
+        staged: DeviceBuf,
+    ) {
         self.give_host(&self.tables, table);
         self.streams.lock().extend(stream);
-        self.give_host(&self.staging, staging);
+        if let Some(staging) = staging {
+            self.give_host(&self.staging, staging);
+        }
         self.give_device(staged);
     }
 }
@@ -261,7 +273,9 @@ pub struct Restore {
     n: usize,
     stride: usize,
     table: Option<HostBuf>,
+    /// `staging_slots` slots; None for a restore taken with none.
     staging: Option<HostBuf>,
+    staging_slots: usize,
     staged: Option<DeviceBuf>,
     own_stream: Option<Stream>,
     event: Arc<PooledEvent>,
@@ -286,6 +300,29 @@ pub struct Store {
 }
 
 impl Engine {
+    /// Runs `f` on the engine's completion thread, after every `f` given
+    /// before it: for work that waits on copies already free to run (their
+    /// descriptors written, their flags set) and then lets go of what
+    /// they held. It must not wait on anything else, so nothing it waits
+    /// for can be queued behind it.
+    pub fn then(&self, f: Completion) {
+        let tx = self.pool.completer.get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel::<Completion>();
+            std::thread::Builder::new()
+                .name("kvfs-gpu-done".into())
+                .spawn(move || {
+                    for f in rx {
+                        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+                            tracing::error!("a GPU completion panicked");
+                        }
+                    }
+                })
+                .expect("cannot start the GPU completion thread");
+            Mutex::new(tx)
+        });
+        let _ = tx.lock().send(f);
+    }
+
     /// An ordered stream for one client.
     pub fn lane(&self) -> Lane {
         Lane {
@@ -297,7 +334,8 @@ impl Engine {
     /// Enqueues a restore of `n` copies of `bytes` each: on `lane` (held
     /// by the caller) or, with None, on a stream of its own that holds up
     /// no other ticket. `stride` ≥ bytes spaces its staging slots, of
-    /// which there are `n`. Everything the copy needs is taken here,
+    /// which there are `staging_slots` (0 when every source is already
+    /// device-visible, e.g. pinned T1 slots). Everything the copy needs is taken here,
     /// before the stream is told to wait: pinning memory makes CUDA wait
     /// for the device to go idle, and the device then waits on this
     /// restore's flag, which only `finish` (or drop) sets.
@@ -306,6 +344,7 @@ impl Engine {
         n: usize,
         bytes: u64,
         stride: usize,
+        staging_slots: usize,
         lane: Option<&mut LaneGuard<'_>>,
     ) -> Result<Restore, String> {
         let c = driver()?;
@@ -314,7 +353,10 @@ impl Engine {
         let table_dev = table
             .device_ptr()
             .ok_or("the descriptor table is not device-mapped")?;
-        let staging = pool.take_staging(n * stride)?;
+        let staging = match staging_slots {
+            0 => None,
+            k => Some(pool.take_staging(k * stride)?),
+        };
         let event = Arc::new(pool.take_event()?);
         let staged = pool.take_device(DESCRIPTOR_BYTES * n)?;
         let own_stream = match lane {
@@ -327,7 +369,8 @@ impl Engine {
             n,
             stride,
             table: Some(table),
-            staging: Some(staging),
+            staging,
+            staging_slots,
             staged: Some(staged),
             own_stream,
             event,
@@ -399,6 +442,103 @@ impl Engine {
     }
 }
 
+/// Copies as runs: adjacent copies whose sources and destinations both
+/// continue one another are one run (see `Runs::push`).
+#[derive(Default)]
+pub struct Runs {
+    dsts: Vec<u64>,
+    srcs: Vec<u64>,
+    sizes: Vec<usize>,
+    copies: usize,
+}
+
+impl Runs {
+    /// Adds a copy of `bytes` from `src` to `dst`, extending the last run
+    /// when it ends where this one starts, on both sides.
+    pub fn push(&mut self, src: u64, dst: u64, bytes: usize) {
+        self.copies += 1;
+        if let (Some(&s), Some(&d), Some(z)) =
+            (self.srcs.last(), self.dsts.last(), self.sizes.last_mut())
+            && s + *z as u64 == src
+            && d + *z as u64 == dst
+        {
+            *z += bytes;
+            return;
+        }
+        self.srcs.push(src);
+        self.dsts.push(dst);
+        self.sizes.push(bytes);
+    }
+
+    /// Runs so far.
+    pub fn len(&self) -> usize {
+        self.sizes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sizes.is_empty()
+    }
+
+    /// Copies pushed so far.
+    pub fn copies(&self) -> usize {
+        self.copies
+    }
+}
+
+/// A restore enqueued whole on the copy engines (see `Engine::copy_runs`).
+pub struct DirectRestore {
+    c: &'static Cuda,
+    event: Arc<PooledEvent>,
+}
+
+impl DirectRestore {
+    /// The ticket's event, recorded after the copies.
+    pub fn event(&self) -> &Arc<PooledEvent> {
+        &self.event
+    }
+
+    /// Waits for the copies.
+    pub fn finish(self) -> Result<(), String> {
+        self.c.wait_event(&self.event)
+    }
+}
+
+impl Engine {
+    /// Whether `copy_runs` can run here (a CUDA 13 driver).
+    pub fn has_copy_engines(&self) -> bool {
+        driver().map(|c| c.has_batch_copy()).unwrap_or(false)
+    }
+
+    /// Enqueues `runs` on `lane`, on the copy engines (one
+    /// cuMemcpyBatchAsync): for restores whose sources are all
+    /// device-visible already (pinned T1 slots), with no descriptors, no
+    /// flag and no staging. The caller keeps the sources and destinations
+    /// valid until the returned restore finishes.
+    pub fn copy_runs(
+        &self,
+        mut runs: Runs,
+        lane: &mut LaneGuard<'_>,
+    ) -> Result<DirectRestore, String> {
+        let c = driver()?;
+        let event = Arc::new(self.pool.take_event()?);
+        let stream = match &mut *lane.0 {
+            Some(s) => s,
+            slot => slot.insert(self.pool.take_stream()?),
+        };
+        // SAFETY: the caller's contract (see above).
+        unsafe {
+            c.enqueue_copies(
+                stream,
+                &mut runs.dsts,
+                &mut runs.srcs,
+                &mut runs.sizes,
+                &event,
+            )
+        }?;
+        Ok(DirectRestore { c, event })
+    }
+}
+
 impl Restore {
     /// The ticket's event, recorded after the copy: the client's stream
     /// waits on it. Keep it until the ticket is collected.
@@ -407,11 +547,18 @@ impl Restore {
     }
 
     /// All staging slots at once (slot k at `k × stride`), with the
-    /// device address of the first.
+    /// device address of the first; empty for a restore taken with none.
     pub fn staging(&mut self) -> (&mut [u8], Option<u64>) {
-        let s = self.staging.as_mut().expect("until finished");
-        let dev = s.device_ptr();
-        (&mut s.as_mut_slice()[..self.n * self.stride], dev)
+        match self.staging.as_mut() {
+            Some(s) => {
+                let dev = s.device_ptr();
+                (
+                    &mut s.as_mut_slice()[..self.staging_slots * self.stride],
+                    dev,
+                )
+            }
+            None => (&mut [], None),
+        }
     }
 
     /// Writes the `n` descriptors, `f(i)` the i-th.
@@ -425,6 +572,12 @@ impl Restore {
         }
     }
 
+    /// Lets the copy run once its descriptors are written (`describe`);
+    /// `finish` then waits for it.
+    pub fn start(&mut self) {
+        self.ready.set();
+    }
+
     /// Lets the copy run (sets the flag), waits for it, and gives the
     /// resources back; the caller's pins may go once this returns.
     pub fn finish(mut self) -> Result<(), String> {
@@ -436,9 +589,8 @@ impl Restore {
     }
 
     fn release(&mut self) {
-        if let (Some(t), Some(s), Some(d)) =
-            (self.table.take(), self.staging.take(), self.staged.take())
-        {
+        if let (Some(t), Some(d)) = (self.table.take(), self.staged.take()) {
+            let s = self.staging.take();
             self.pool.give(t, self.own_stream.take(), s, d);
         }
     }
@@ -516,7 +668,7 @@ impl Drop for Store {
         if let (Some(t), Some(s), Some(d)) =
             (self.table.take(), self.staging.take(), self.staged.take())
         {
-            self.pool.give(t, self.stream.take(), s, d);
+            self.pool.give(t, self.stream.take(), Some(s), d);
         }
     }
 }

@@ -17,6 +17,7 @@ KvfsError with .errno, .entry (the offending entry's index, or None) and a
 message from the daemon.
 """
 
+import errno
 import fcntl
 import json
 import mmap
@@ -322,6 +323,17 @@ class Kvfs:
         keys = list(keys)
         st = self._call(QUERY, len(keys), body=self._key_body(keys), states=True)
         return [(STATES.get(s, "unknown"), bool(d)) for s, d, _, _ in st]
+
+    def done(self, ticket):
+        """Collects a ticket if it has finished (True), without waiting
+        (False while it runs). Raises KvfsError if an entry failed."""
+        try:
+            self.wait(ticket, timeout=0)
+            return True
+        except KvfsError as e:
+            if e.errno == errno.ETIMEDOUT:
+                return False
+            raise
 
     def wait(self, ticket, timeout=None):
         """Waits for a ticket (timeout in seconds; None: forever). Raises

@@ -22,13 +22,18 @@ group: the `block_tokens × head_dim` slice of that head's keys or values.
 
 GPU memory. Only `resident_layers` layers are on the GPU at a time, in
 slots of one registered device buffer (allocated and registered once).
-Before a layer runs, its K/V are restored into a slot by one RESTORE
-ticket whose CUDA IPC event the compute stream waits on (no host wait);
-the next layer's restore is issued while this one computes. When a slot
-is reused, the groups its layer changed since they were last stored (a
-decode step changes one partial block per head) go back by one STORE.
-Everything a layer holds is in kvfs before its slot is reused, so a
-layer restored later sees every token.
+Before a layer runs, the chunks kvfs holds of it are restored into a slot
+by one RESTORE ticket whose CUDA IPC event the compute stream waits on
+(no host wait); the next layer's restore is issued while this one
+computes. A layer's newest chunks also sit in a small ring of its own on
+the GPU (4 chunks a layer, registered once too): a decode step writes
+its token there, a chunk that fills up goes to kvfs by one STORE of just
+its groups (issued at the layer's next visit, not waited for), and a
+restore takes the chunks kvfs does not hold yet from the ring. So a slot
+is reused without a store, and no decode step waits for the daemon. A
+prefill's full chunks are stored from the slot before it is reused.
+`flush()` (and `save_prefix`) stores everything, the partial last chunk
+too, and waits.
 
 The prefix index is a small SQLite file (default
 `~/.cache/kvfs/prefix-index.sqlite`): one row per block-aligned token
@@ -39,9 +44,13 @@ it outlives processes and mounts. A row whose groups the mount no longer
 holds is ignored.
 """
 
+import collections
 import ctypes
 import hashlib
 import os
+import queue
+import threading
+import time
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -50,6 +59,97 @@ from .client import Encoded, Kvfs
 from .prefix import DEFAULT_INDEX, OutOfBlocks, PrefixIndex  # noqa: F401  (re-exported)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+RING = 4  # chunks of each layer's ring (see KvfsCache)
+
+
+def _recorded(stream):
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
+_IPC_EVENTS = {}  # (device, handle) -> opened event: the daemon reuses its events
+
+
+def _ipc_event(device, handle):
+    ev = _IPC_EVENTS.get((device, handle))
+    if ev is None:
+        ev = _IPC_EVENTS[(device, handle)] = torch.cuda.Event.from_ipc_handle(device, handle)
+    return ev
+
+
+class _Job:
+    __slots__ = ("entries", "after", "ticket", "error", "done")
+
+    def __init__(self, entries, after):
+        self.entries, self.after, self.ticket, self.error = entries, after, None, None
+        self.done = threading.Event()
+
+    def result(self):
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.ticket
+
+
+class _Restorer:
+    """Submits a cache's RESTOREs from a thread and a control-file session
+    of its own, so the model's thread never waits on the daemon: each job
+    first waits (off the model's thread) for the GPU to be done with the
+    slot it fills, then encodes its entries (a callable) and submits; tickets whose events the compute stream
+    has waited on are collected here too."""
+
+    def __init__(self, mount, buf):
+        self.kv = Kvfs(mount)
+        self.region = self.kv.register_tensor(buf)
+        self.jobs = queue.SimpleQueue()
+        self.busy = {"gpu_wait_s": 0.0, "submit_s": 0.0}  # this thread's time, by what it waited for
+        self.used = collections.deque()   # tickets the compute stream waits on
+        self.thread = threading.Thread(target=self._run, name="kvfs-restore", daemon=True)
+        self.thread.start()
+
+    def submit(self, entries, after=None):
+        job = _Job(entries, after)
+        self.jobs.put(job)
+        return job
+
+    def drain(self):
+        """Collects every ticket handed out (their copies done)."""
+        self.submit(None).result()
+
+    def _run(self):
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                if job.entries is None:
+                    while self.used:
+                        self.kv.wait(self.used.popleft())
+                else:
+                    t0 = time.perf_counter()
+                    if job.after is not None:
+                        job.after.synchronize()
+                    t1 = time.perf_counter()
+                    entries = job.entries() if callable(job.entries) else job.entries
+                    job.ticket = self.kv.restore(entries, wait=False)
+                    self.busy["gpu_wait_s"] += t1 - t0
+                    self.busy["submit_s"] += time.perf_counter() - t1
+                    while self.used and self.kv.done(self.used[0]):
+                        self.used.popleft()
+            except BaseException as e:  # handed to the model's thread
+                job.error = e
+            job.done.set()
+
+    def close(self):
+        self.jobs.put(None)
+        self.thread.join()
+        try:
+            self.kv.unregister(self.region)
+        finally:
+            self.kv.close()
 
 
 class GeometryError(ValueError):
@@ -133,7 +233,7 @@ class KvfsCache(Cache):
     when two models share a config)."""
 
     def __init__(self, config, mount, *, batch_size=1, max_tokens=4096, device=None,
-                 resident_layers=3, index=None, model_id=None, kv=None, dtype=None):
+                 resident_layers=4, prefetch=2, index=None, model_id=None, kv=None, dtype=None):
         layers, kv_heads, head_dim, cfg_dtype = model_shape(config)
         dtype = dtype or cfg_dtype
         self.kv = kv or Kvfs(mount)
@@ -162,23 +262,41 @@ class KvfsCache(Cache):
         self.device = torch.device(device or "cuda")
         if self.device.type != "cuda":
             raise ValueError("KvfsCache restores into GPU memory: give a CUDA device")
-        self.slots = max(2, min(resident_layers, layers))
+        self.prefetch = max(1, min(prefetch, layers - 1))
+        self.slots = min(max(resident_layers, self.prefetch + 2), layers)
+        B, H, D, bt = batch_size, kv_heads, head_dim, self.bt
         # Slot r, K|V k, sequence s, head h, token t: one buffer, registered once.
-        self.buf = torch.zeros((self.slots, 2, batch_size, kv_heads, self.max_tokens, head_dim),
-                               dtype=dtype, device=self.device)
+        self.buf = torch.zeros((self.slots, 2, B, H, self.max_tokens, D), dtype=dtype, device=self.device)
+        # Each layer's newest chunks (RING of them, chunk c at c % RING): the
+        # tokens decode adds live here until kvfs holds their full chunk, so
+        # a slot can be reused without a store, and stores leave from here.
+        self.ring = torch.zeros((layers, 2, B, H, RING * bt, D), dtype=dtype, device=self.device)
         self.region = self.kv.register_tensor(self.buf)
+        self.restorer = _Restorer(mount, self.buf)
+        self.ring_region = self.kv.register_tensor(self.ring)
         self.table = (self.base + torch.arange(need, dtype=torch.int64)).view(batch_size, -1)
-        self.seq_len = [0] * layers
-        self.stored = [0] * layers      # tokens of each layer already in kvfs
+        self._clear_state()
+        self.stats = {"restores": 0, "restored_groups": 0, "stores": 0, "stored_groups": 0,
+                      "host_waits": 0, "wait_restorer_s": 0.0, "encode_s": 0.0,
+                      "update_s": 0.0}
+        super().__init__(layers=[KvfsLayer(self, i) for i in range(layers)])
+
+    def _clear_state(self):
+        L = self.n_layers
+        self.seq_len = [0] * L
+        self.durable = [0] * L          # chunks [0, durable) of each layer are in kvfs
+        self.ring_from = [0] * L        # chunks [ring_from, end) of each layer are in its ring
+        self.slot_dirty = [None] * L    # (c0, c1): full chunks only the layer's slot holds
+        self.due = [None] * L           # (c1, event): full ring chunks to store once event is done
+        self.issued = [[] for _ in range(L)]  # [(ticket, c1)]: ring stores in flight, in order
         self.slot_of = {}                # resident layer -> slot
         self.owner = [None] * self.slots
+        self.next_slot = 0
+        self.fill = {}                   # layer -> ring chunks [c0, c1) to copy into its slot
         self.pending = {}               # layer -> CUDA event after its last use
-        self.ready = {}                 # layer -> CUDA event of its restore
+        self.ready = {}                 # layer -> its restore's _Job
         self.last = None                # the layer updated last
-        self.encoded = {}               # (layer, slot, c0, c1) -> Encoded entries
-        self.stats = {"restores": 0, "restored_groups": 0, "stores": 0, "stored_groups": 0}
-        self._tickets = []              # restore tickets not yet collected
-        super().__init__(layers=[KvfsLayer(self, i) for i in range(layers)])
+        self.encoded = {}               # (layer, slot, c0, c1) -> Encoded restore entries
 
     # ---- mapping -------------------------------------------------------
 
@@ -186,16 +304,18 @@ class KvfsCache(Cache):
         """The kvfs block holding token `token` of sequence `seq`."""
         return int(self.table[seq, token // self.bt])
 
-    def _entries(self, layer, slot, c0, c1):
+    def _entries(self, layer, c0, c1, slot=None, restore=False):
         """RESTORE/STORE entries for chunks [c0, c1) of every sequence,
-        head, K and V of `layer`, into/out of `slot`, in ascending offsets."""
-        key = (layer, slot, c0, c1)
+        head, K and V of `layer`: in slot `slot`, or (None) in the layer's
+        ring; `restore`: for the restorer's session."""
+        key = (layer, slot, c0, c1, restore)
         e = self.encoded.get(key)
         if e is not None:
             return e
         if len(self.encoded) > 4 * self.n_layers:
             self.encoded.clear()
-        B, H, T, D, bt = self.batch, self.heads, self.max_tokens, self.head_dim, self.bt
+        t0 = time.perf_counter()
+        B, H, D, bt = self.batch, self.heads, self.head_dim, self.bt
         k = torch.arange(2, dtype=torch.int64).view(2, 1, 1, 1)
         s = torch.arange(B, dtype=torch.int64).view(1, B, 1, 1)
         h = torch.arange(H, dtype=torch.int64).view(1, 1, H, 1)
@@ -203,70 +323,149 @@ class KvfsCache(Cache):
         shape = (2, B, H, c1 - c0)
         block = self.table[:, c0:c1].view(1, B, 1, -1).expand(shape)
         elt = self.buf.element_size()
-        offset = (((((slot * 2 + k) * B + s) * H + h) * T + c * bt) * D * elt).expand(shape)
+        if slot is None:
+            first, T, pos, region = layer, RING * bt, c % RING, self.ring_region
+        else:
+            first, T, pos = slot, self.max_tokens, c
+            region = self.restorer.region if restore else self.region
+        offset = (((((first * 2 + k) * B + s) * H + h) * T + pos * bt) * D * elt).expand(shape)
         lh = (layer + (h << 32)).expand(shape)
-        kr = (k + (self.region << 32)).expand(shape)
+        kr = (k + (region << 32)).expand(shape)
         rows = torch.stack([block, lh, kr, offset], dim=-1).reshape(-1, 4).contiguous()
         e = Encoded(ctypes.string_at(rows.data_ptr(), rows.numel() * 8))
-        self.encoded[key] = e
+        if slot is not None:
+            self.encoded[key] = e
+        self.stats["encode_s"] += time.perf_counter() - t0
         return e
+
+    def _count(self, what, chunks):
+        self.stats[what + "s"] += 1
+        self.stats[what + "d_groups"] += 2 * self.batch * self.heads * chunks
 
     # ---- moving layers ---------------------------------------------------
 
-    def _store(self, layer):
-        """Writes the chunks `layer` changed since its last store from its
-        slot into kvfs, once the GPU is done with the slot."""
+    def _issue_due(self, layer):
+        """Sends the layer's full ring chunks to kvfs (one STORE, not
+        waited for) once the GPU has written them."""
+        d = self.due[layer]
+        if d is None:
+            return
+        c1, ev = d
+        self.due[layer] = None
+        c0 = self.issued[layer][-1][1] if self.issued[layer] else self.durable[layer]
+        c0 = max(c0, self.ring_from[layer])
+        if c1 <= c0:
+            return
+        if not ev.query():
+            self.stats["host_waits"] += 1
+            ev.synchronize()
+        t = self.kv.store(self._entries(layer, c0, c1), wait=False)
+        self.issued[layer].append((t, c1))
+        self._count("store", c1 - c0)
+
+    def _settle(self, layer, block=False):
+        """Collects the layer's finished ring stores (all of them, waiting,
+        with block); kvfs then holds their chunks."""
+        q = self.issued[layer]
+        while q:
+            t, c1 = q[0]
+            if block:
+                self.kv.wait(t)
+            elif not self.kv.done(t):
+                break
+            q.pop(0)
+            self.durable[layer] = max(self.durable[layer], c1)
+
+    def _store_slot(self, layer):
+        """Stores the full chunks only the layer's slot holds (a prefill's),
+        once the GPU is done with the slot."""
+        d = self.slot_dirty[layer]
         ev = self.pending.pop(layer, None)
+        if d is None:
+            return
         if ev is not None:
             ev.synchronize()
-        lo, hi = self.stored[layer] // self.bt, -(-self.seq_len[layer] // self.bt)
-        if hi > lo:
-            t = self.kv.store(self._entries(layer, self.slot_of[layer], lo, hi), wait=True)
-            del t
-            self.stats["stores"] += 1
-            self.stats["stored_groups"] += 2 * self.batch * self.heads * (hi - lo)
-        self.stored[layer] = self.seq_len[layer]
+        c0, c1 = d
+        self.kv.store(self._entries(layer, c0, c1, self.slot_of[layer]), wait=True)
+        self._count("store", c1 - c0)
+        self.slot_dirty[layer] = None
+        self.durable[layer] = max(self.durable[layer], c1)
 
     def _evict(self, slot):
         old = self.owner[slot]
         if old is None:
             return
-        self._store(old)
-        self.ready.pop(old, None)
+        after = None
+        if self.slot_dirty[old] is not None:
+            self._store_slot(old)
+        else:
+            # The slot may be overwritten (by the daemon's copy) only once
+            # the GPU is done reading it: the restorer waits for this.
+            after = self.pending.pop(old, None)
+        job = self.ready.pop(old, None)
+        if job is not None:  # restored, never used
+            self.restorer.used.append(job.result())
+        self.fill.pop(old, None)
         del self.slot_of[old]
         self.owner[slot] = None
+        return after
+
+    def _pick_slot(self):
+        """Slots in turn (the least recently filled), never the slot of
+        the layer being computed."""
+        cur = self.slot_of.get(self.last)
+        while True:
+            s = self.next_slot
+            self.next_slot = (s + 1) % self.slots
+            if s != cur:
+                return s
 
     def _bring(self, layer):
-        """Makes `layer` resident: a slot, and a RESTORE of what kvfs holds
-        of it (the compute stream waits for its event in _update)."""
+        """Makes `layer` resident: a slot, a RESTORE of the chunks kvfs
+        holds (the compute stream waits for its event in _update), and the
+        newer chunks copied from the layer's ring."""
         if layer in self.slot_of:
             return
-        slot = layer % self.slots
-        self._evict(slot)
+        slot = self._pick_slot()
+        after = self._evict(slot)
         self.owner[slot] = layer
         self.slot_of[layer] = slot
-        chunks = -(-self.stored[layer] // self.bt)
-        if chunks:
-            t = self.kv.restore(self._entries(layer, slot, 0, chunks), wait=False)
-            self.ready[layer] = (t, torch.cuda.Event.from_ipc_handle(self.device, t.ipc_event_handle))
-            self.stats["restores"] += 1
-            self.stats["restored_groups"] += 2 * self.batch * self.heads * chunks
+        self._issue_due(layer)
+        self._settle(layer)
+        have = self.durable[layer]
+        end = -(-self.seq_len[layer] // self.bt)
+        if have:
+            # Encoded on the restorer's thread too, off the model's.
+            self.ready[layer] = self.restorer.submit(
+                lambda: self._entries(layer, 0, have, slot, True), after)
+            self._count("restore", have)
+        if end > have:
+            self.fill[layer] = (have, end)
+
+    def _ring_copy(self, layer, slot, c0, c1, into_slot):
+        bt = self.bt
+        for c in range(c0, c1):
+            p = (c % RING) * bt
+            ring = self.ring[layer, :, :, :, p:p + bt]
+            part = self.buf[slot, :, :, :, c * bt:(c + 1) * bt]
+            (part.copy_(ring) if into_slot else ring.copy_(part))
 
     def _update(self, layer, key_states, value_states):
+        t_in = time.perf_counter()
+        try:
+            return self._update_timed(layer, key_states, value_states)
+        finally:
+            self.stats["update_s"] += time.perf_counter() - t_in
+
+    def _update_timed(self, layer, key_states, value_states):
         stream = torch.cuda.current_stream(self.device)
         if self.last is not None and self.last != layer:
             # The previous layer's attention has been enqueued: after this
-            # event its slot may be stored and reused.
+            # event its slot may be reused.
             ev = torch.cuda.Event()
             ev.record(stream)
             self.pending[self.last] = ev
         self.last = layer
-        self._bring(layer)
-        r = self.ready.pop(layer, None)
-        if r is not None:
-            stream.wait_event(r[1])
-            self._tickets.append(r[0])
-        slot = self.slot_of[layer]
         n = key_states.shape[-2]
         lo, hi = self.seq_len[layer], self.seq_len[layer] + n
         if hi > self.max_tokens:
@@ -274,19 +473,61 @@ class KvfsCache(Cache):
                              f"layer {layer} would reach {hi}")
         if key_states.shape[0] != self.batch:
             raise ValueError(f"KvfsCache was made for batch size {self.batch}, got {key_states.shape[0]}")
+        self._bring(layer)
+        slot = self.slot_of[layer]
+        job = self.ready.pop(layer, None)
+        if job is not None:
+            if not job.done.is_set():
+                w = time.perf_counter()
+                job.done.wait()
+                self.stats["wait_restorer_s"] += time.perf_counter() - w
+            t = job.result()
+            stream.wait_event(_ipc_event(self.device, t.ipc_event_handle))
+            self.restorer.used.append(t)
+        f = self.fill.pop(layer, None)
+        if f is not None:
+            self._ring_copy(layer, slot, f[0], f[1], True)
         self.buf[slot, 0, :, :, lo:hi].copy_(key_states)
         self.buf[slot, 1, :, :, lo:hi].copy_(value_states)
         self.seq_len[layer] = hi
-        # The next layer's restore runs while this one computes.
-        self._bring((layer + 1) % self.n_layers)
-        self._reap()
-        return self.buf[slot, 0, :, :, :hi], self.buf[slot, 1, :, :, :hi]
+        self._keep(layer, slot, lo, hi, stream)
+        # The next layers' restores run while this one computes.
+        for d in range(1, self.prefetch + 1):
+            self._bring((layer + d) % self.n_layers)
+        # Contiguous copies (a few microseconds on the GPU): attention then
+        # sees what it sees with DynamicCache, so its kernels, and their
+        # rounding, are the same.
+        return self.buf[slot, 0, :, :, :hi].contiguous(), self.buf[slot, 1, :, :, :hi].contiguous()
 
-    def _reap(self):
-        """Collects restore tickets whose copies the stream has waited on,
-        a few layers back (so the daemon can reuse their events)."""
-        while len(self._tickets) > self.slots:
-            self.kv.wait(self._tickets.pop(0))
+    def _keep(self, layer, slot, lo, hi, stream):
+        """Decides where tokens [lo, hi) just written to the slot live until
+        kvfs holds them: a few chunks go to the layer's ring (stored later,
+        without a host wait); a prefill's full chunks stay in the slot and
+        are stored before it is reused."""
+        bt = self.bt
+        c_lo, c_full, c_end = lo // bt, hi // bt, -(-hi // bt)
+        small = c_end - c_lo <= 2 and self.slot_dirty[layer] is None
+        if not small:
+            # Everything before this update's first chunk into kvfs first.
+            self._issue_due(layer)
+            self._settle(layer, block=True)
+            if self.slot_dirty[layer] is not None:
+                self.pending[layer] = _recorded(stream)
+                self._store_slot(layer)
+            if c_full > self.durable[layer]:
+                self.slot_dirty[layer] = (self.durable[layer], c_full)
+            self.ring_from[layer] = c_full
+            if c_end > c_full:
+                self._ring_copy(layer, slot, c_full, c_end, False)
+            return
+        # A ring position is reused RING chunks later: kvfs must hold the
+        # chunk there before.
+        if c_end - 1 - RING >= self.durable[layer]:
+            self._issue_due(layer)
+            self._settle(layer, block=True)
+        self._ring_copy(layer, slot, max(c_lo, self.ring_from[layer]), c_end, False)
+        if c_full > c_lo:
+            self.due[layer] = (c_full, _recorded(stream))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self._update(layer_idx, key_states, value_states)
@@ -294,16 +535,25 @@ class KvfsCache(Cache):
     # ---- whole-cache operations -----------------------------------------
 
     def flush(self):
-        """Stores every layer's changes into kvfs and waits for it."""
+        """Stores every layer's changes into kvfs (its partial last chunk
+        too) and waits for it."""
+        stream = torch.cuda.current_stream(self.device)
         if self.last is not None:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            self.pending[self.last] = ev
-        for layer in list(self.slot_of):
-            self._store(layer)
-        for t in self._tickets:
-            self.kv.wait(t)
-        self._tickets = []
+            self.pending[self.last] = _recorded(stream)
+        for layer in range(self.n_layers):
+            if self.slot_dirty[layer] is not None:
+                self._store_slot(layer)
+            self._issue_due(layer)
+            self._settle(layer, block=True)
+            full, end = self.seq_len[layer] // self.bt, -(-self.seq_len[layer] // self.bt)
+            if end > full and full >= self.ring_from[layer]:
+                stream.synchronize()
+                self.kv.store(self._entries(layer, full, end), wait=True)
+                self._count("store", 1)
+        for job in self.ready.values():  # prefetches the model never used (the last step's)
+            self.restorer.used.append(job.result())
+        self.ready.clear()
+        self.restorer.drain()
 
     def get_seq_length(self, layer_idx=0, *args, **kwargs):
         return self.seq_len[layer_idx]
@@ -358,20 +608,14 @@ class KvfsCache(Cache):
                 self.table[s, :k] = torch.tensor(blocks[:k], dtype=torch.int64)
         self.encoded.clear()
         self.seq_len = [k * self.bt] * self.n_layers
-        self.stored = list(self.seq_len)
+        self.durable = [k] * self.n_layers
+        self.ring_from = [k] * self.n_layers
         return k * self.bt
 
     def reset(self):
         """Empties the cache (a new conversation); saved prefixes stay."""
         self.flush()
-        for slot in range(self.slots):
-            if self.owner[slot] is not None:
-                del self.slot_of[self.owner[slot]]
-                self.owner[slot] = None
-        self.seq_len = [0] * self.n_layers
-        self.stored = [0] * self.n_layers
-        self.pending.clear()
-        self.last = None
+        self._clear_state()
         # Fresh blocks: the old ones may be part of saved prefixes.
         self.index.release(self.base)
         self.base = self.index.lease(self.batch * self.blocks_per_seq, self.kv.layout["blocks"])
@@ -385,7 +629,9 @@ class KvfsCache(Cache):
             return
         try:
             self.flush()
+            self.restorer.close()
             self.kv.unregister(self.region)
+            self.kv.unregister(self.ring_region)
         finally:
             self.index.release(self.base)
             self.kv = None

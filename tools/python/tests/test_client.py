@@ -103,6 +103,22 @@ class ClientTest(unittest.TestCase):
         self.kv.unregister(r)
         self.kv.unregister(r2)
 
+    def test_done_polls_without_waiting(self):
+        n = 16
+        src = self.region(n)
+        r = self.kv.register_host_region(src.path, src.size)
+        keys = [(l, b, 1, "V") for l in range(2) for b in range(8)]
+        t = self.kv.store([k + (r, i * self.gb) for i, k in enumerate(keys)], wait=False)
+        deadline = 30
+        while not self.kv.done(t):  # False while it runs, True once collected
+            deadline -= 0.01
+            self.assertGreater(deadline, 0, "the ticket never finished")
+            threading.Event().wait(0.01)
+        with self.assertRaises(KvfsError) as e:
+            self.kv.done(t)  # collected already: not a timeout, an error
+        self.assertEqual(e.exception.errno, errno.EINVAL)
+        self.kv.unregister(r)
+
     def test_large_batches(self):
         # 1024 entries (32 KiB): too large for one ioctl, so the entries go
         # through the session's scratch region (or write/read without ioctl).
