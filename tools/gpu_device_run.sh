@@ -4,6 +4,7 @@
 #   kvfs-bin (target/release/kvfs), kvfs-lib, cascade and gpu (the test
 #   executables that `cargo test --release --no-run` prints).
 # SKIP_TESTS=1 skips the test executables and runs only tools/gpu_e2e.py.
+# HF=1 also runs the kvfs.hf demo (HF_BLOCKS="64 16": the block sizes).
 set -u
 B=$PWD/.devbin/kvfs-bin
 export PYTHONUNBUFFERED=1
@@ -27,5 +28,18 @@ echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 |
 echo "== GPU checks: $([ $fail = 0 ] && echo all passed || echo SOME FAILED)"
 for m in k16 k4 kg; do timeout -k 2 20 $B umount /mnt/$m; done
 echo "== daemon log"; tail -n 30 /tmp/b16/kvfs.log
+# HF=1: the kvfs.hf demo (8b shape, 8k prompt) on 64- and 16-token blocks.
+if [ "${HF:-0}" = 1 ]; then
+  export PYTHONPATH=$PWD/tools/python
+  for bt in ${HF_BLOCKS:-64 16}; do
+    mkdir -p /mnt/hf$bt; rm -rf /tmp/hf$bt
+    $B mount /mnt/hf$bt --backing /tmp/hf$bt --t1 6GiB --layers 32 --kv-heads 8 --head-dim 128 \
+      --block-tokens $bt --dtype bf16 --blocks 8192 || { fail=1; continue; }
+    echo "== kvfs.hf demo, --block-tokens $bt"
+    timeout -k 5 400 python3 -m kvfs.hf demo --mount /mnt/hf$bt --shape 8b 2>&1 | grep -v "^\[W" || fail=1
+    timeout -k 2 20 $B umount /mnt/hf$bt
+  done
+  echo "== kvfs.hf demo: $([ $fail = 0 ] && echo passed || echo FAILED)"
+fi
 # Whole daemon logs for the caller, where it collects files ($OUT).
 if [ -n "${OUT:-}" ]; then for b in b16 b4 bg; do cp /tmp/$b/kvfs.log "$OUT/$b.log" 2>/dev/null; done; fi
