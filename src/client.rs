@@ -241,6 +241,20 @@ impl Client {
         Ok(self.call(&Request::Store(io_entries(entries)), 0)?.value)
     }
 
+    /// `restore` with strided entries (an engine's interleaved layout).
+    pub fn restore_strided(&self, entries: &[Strided]) -> Result<u64, ClientError> {
+        Ok(self
+            .call(&Request::Restore(strided_entries(entries)), 0)?
+            .value)
+    }
+
+    /// `store` with strided entries.
+    pub fn store_strided(&self, entries: &[Strided]) -> Result<u64, ClientError> {
+        Ok(self
+            .call(&Request::Store(strided_entries(entries)), 0)?
+            .value)
+    }
+
     pub fn query(&self, keys: &[GroupKey]) -> Result<Vec<StateEntry>, ClientError> {
         let keys = keys.iter().map(|k| RawKey::from_key(*k)).collect();
         Ok(self.call(&Request::Query(keys), 0)?.states)
@@ -288,10 +302,32 @@ fn completion(r: Reply) -> Completion {
 fn io_entries(entries: &[(GroupKey, u32, u64)]) -> Vec<IoEntry> {
     entries
         .iter()
-        .map(|&(k, region, offset)| IoEntry {
-            key: RawKey::from_key(k),
-            region,
-            offset,
+        .map(|&(k, region, offset)| IoEntry::new(RawKey::from_key(k), region, offset))
+        .collect()
+}
+
+/// A RESTORE/STORE entry whose group lies strided in its region: `rows =
+/// group_bytes / row_bytes` runs of `row_bytes`, `pitch` bytes apart, the
+/// first at `offset` (see `wire::ENTRIES_STRIDED`). `row_bytes` 0, or the
+/// group's size, is a contiguous group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Strided {
+    pub key: GroupKey,
+    pub region: u32,
+    pub offset: u64,
+    pub row_bytes: u32,
+    pub pitch: u64,
+}
+
+fn strided_entries(entries: &[Strided]) -> Vec<IoEntry> {
+    entries
+        .iter()
+        .map(|e| IoEntry {
+            key: RawKey::from_key(e.key),
+            region: e.region,
+            offset: e.offset,
+            row_bytes: e.row_bytes,
+            pitch: e.pitch,
         })
         .collect()
 }

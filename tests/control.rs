@@ -711,16 +711,16 @@ fn entries_named_in_a_region_and_their_refusals() {
         (0..n)
             .map(|i| {
                 let k = key(i * 3);
-                wire::IoEntry {
-                    key: wire::RawKey {
+                wire::IoEntry::new(
+                    wire::RawKey {
                         layer: k.layer,
                         block: k.block,
                         head: k.head,
                         kind: k.kind as u32,
                     },
-                    region: dst as u32,
-                    offset: i * GB as u64,
-                }
+                    dst as u32,
+                    i * GB as u64,
+                )
             })
             .collect()
     };
@@ -731,6 +731,7 @@ fn entries_named_in_a_region_and_their_refusals() {
         region: rl,
         offset: 64,
         count: n as u32,
+        strided: false,
     };
     let req = wire::encode_request(&Request::StoreFrom(at));
     assert_eq!(req.len(), wire::HEADER_BYTES);
@@ -778,7 +779,7 @@ fn entries_named_in_a_region_and_their_refusals() {
     )));
     assert_eq!(r.status as i32, libc::EFAULT, "{}", r.message);
     let mut flags = wire::encode_request(&Request::RestoreFrom(at));
-    flags[16] |= 2;
+    flags[16] |= 4;
     let r = refuse(flags);
     assert!(
         r.status as i32 == libc::EINVAL && r.message.contains("flags"),

@@ -2,7 +2,8 @@
 //!
 //! All or nothing: every key in the geometry, every region registered on
 //! this session (and not damaged), `offset + group_bytes` inside its
-//! region, CUDA destinations 16-byte aligned, one batch naming host
+//! region (every row of a strided entry: rows dividing the group, a
+//! pitch no less than a row), CUDA destinations 16-byte aligned, one batch naming host
 //! regions or CUDA regions but not both, and no two RESTORE destinations
 //! overlapping (two copies into the same bytes would race). The product is
 //! a `Batch` that holds one reference per region it names, so the regions
@@ -32,6 +33,27 @@ pub(super) struct Item {
     pub(super) g: GroupIndex,
     pub(super) region: u32,
     pub(super) offset: u64,
+    /// 0: the group is contiguous at `offset`; else rows of this many
+    /// bytes, `pitch` apart (admission checked the shape).
+    pub(super) row_bytes: u32,
+    pub(super) pitch: u64,
+}
+
+impl Item {
+    /// (row bytes, pitch, rows) of a group of `gb` bytes: one row when
+    /// contiguous.
+    pub(super) fn rows(&self, gb: u64) -> (u64, u64, u64) {
+        match self.row_bytes {
+            0 => (gb, gb, 1),
+            r => (r as u64, self.pitch, gb / r as u64),
+        }
+    }
+
+    /// Bytes from `offset` to the end of the last row.
+    pub(super) fn extent(&self, gb: u64) -> u64 {
+        let (row, pitch, rows) = self.rows(gb);
+        (rows - 1) * pitch + row
+    }
 }
 
 impl Batch {
@@ -108,7 +130,7 @@ impl Session {
                 ),
             ));
         }
-        let bytes = at.count as u64 * wire::IO_ENTRY_BYTES as u64;
+        let bytes = at.count as u64 * at.entry_bytes() as u64;
         if at.offset > region.len() || region.len() - at.offset < bytes {
             return Err(reject(
                 libc::EFAULT,
@@ -126,7 +148,12 @@ impl Session {
         // SAFETY: the range was checked to lie inside the region, which
         // `region` keeps mapped; a shrunk file reads as zeros (guard) and
         // is caught just below.
-        let entries = wire::decode_io_entries(unsafe { region.range(at.offset, bytes as usize) });
+        let raw = unsafe { region.range(at.offset, bytes as usize) };
+        let entries = if at.strided {
+            wire::decode_strided_entries(raw)
+        } else {
+            wire::decode_io_entries(raw)
+        };
         if region.damaged() {
             return Err(reject(
                 libc::EFAULT,
@@ -159,6 +186,7 @@ impl Session {
         let mut ascending = true;
         let mut prev: Option<(u32, u64)> = None;
         for (i, e) in entries.iter().enumerate() {
+            let (row_bytes, pitch, extent) = shape(i, e, gb)?;
             let g = match e.key.key().map(|k| layout.index(k)) {
                 Some(Ok(g)) => g,
                 _ => return Err(self.key_index(i, &e.key).expect_err("a bad key")),
@@ -167,16 +195,25 @@ impl Session {
                 Some(r) if r.id == e.region => r,
                 _ => *cur.insert(Self::resolve(&st, &mut batch, i, e.region)?),
             };
-            if e.offset > r.len || r.len - e.offset < gb {
+            if e.offset > r.len || r.len - e.offset < extent {
                 return Err(reject(
                     libc::EFAULT,
                     i as u32,
                     format!(
                         "entry {i}: bytes {}..{} lie outside region {} ({} bytes)",
                         e.offset,
-                        e.offset.saturating_add(gb),
+                        e.offset.saturating_add(extent),
                         e.region,
                         r.len,
+                    ),
+                ));
+            }
+            if row_bytes != 0 && r.mask != 0 {
+                return Err(reject(
+                    libc::EOPNOTSUPP,
+                    i as u32,
+                    format!(
+                        "entry {i}: strided entries into or out of GPU memory are not supported yet (host regions only)"
                     ),
                 ));
             }
@@ -190,7 +227,11 @@ impl Session {
                     ),
                 ));
             }
-            if let Some((pr, po)) = prev {
+            if row_bytes != 0 {
+                // Rows of different entries may interleave: the general check.
+                ascending = false;
+            }
+            if let Some((pr, po)) = prev.filter(|_| ascending) {
                 if (r.at, e.offset) <= (pr, po) {
                     ascending = false;
                 } else if cmd == Command::Restore && pr == r.at && po + gb > e.offset {
@@ -202,6 +243,8 @@ impl Session {
                 g,
                 region: r.at,
                 offset: e.offset,
+                row_bytes,
+                pitch,
             });
         }
         drop(st);
@@ -288,7 +331,46 @@ struct Resolved {
     mask: u64,
 }
 
-/// Refuses a RESTORE whose destinations overlap, in any entry order.
+/// An entry's shape: (row_bytes, pitch, extent), row_bytes 0 for a
+/// contiguous group (`row_bytes` 0 or the group's size on the wire).
+fn shape(i: usize, e: &IoEntry, gb: u64) -> Result<(u32, u64, u64), Rejection> {
+    let row = e.row_bytes as u64;
+    if row == 0 || row == gb {
+        return Ok((0, gb, gb));
+    }
+    if row > gb || !gb.is_multiple_of(row) {
+        return Err(reject(
+            libc::EINVAL,
+            i as u32,
+            format!("entry {i}: rows of {row} bytes do not divide the group's {gb} bytes"),
+        ));
+    }
+    if e.pitch < row {
+        return Err(reject(
+            libc::EINVAL,
+            i as u32,
+            format!(
+                "entry {i}: a pitch of {} bytes is less than a row ({row} bytes): rows would overlap",
+                e.pitch
+            ),
+        ));
+    }
+    let rows = gb / row;
+    let extent = (rows - 1)
+        .checked_mul(e.pitch)
+        .and_then(|x| x.checked_add(row))
+        .ok_or_else(|| {
+            reject(
+                libc::EFAULT,
+                i as u32,
+                format!("entry {i}: {rows} rows {} bytes apart overflow", e.pitch),
+            )
+        })?;
+    Ok((e.row_bytes, e.pitch, extent))
+}
+
+/// Refuses a RESTORE whose destinations overlap, in any entry order; rows
+/// of strided entries may interleave as long as no two bytes are shared.
 fn check_overlaps(batch: &Batch, entries: &[IoEntry], gb: u64) -> Result<(), Rejection> {
     let mut spans: Vec<(u32, u64, u32)> = batch
         .items
@@ -297,11 +379,58 @@ fn check_overlaps(batch: &Batch, entries: &[IoEntry], gb: u64) -> Result<(), Rej
         .map(|(i, it)| (it.region, it.offset, i as u32))
         .collect();
     spans.sort_unstable();
-    for w in spans.windows(2) {
-        if w[0].0 == w[1].0 && w[0].1 + gb > w[1].1 {
-            let (a, b) = (w[0].2.min(w[1].2), w[0].2.max(w[1].2));
-            return Err(overlap(a as usize, b as usize, entries[b as usize].region));
+    // Entries whose spans reach past the current start, same region.
+    let mut active: Vec<u32> = Vec::new();
+    let mut region = u32::MAX;
+    for &(r, start, i) in &spans {
+        if r != region {
+            active.clear();
+            region = r;
         }
+        let items = &batch.items;
+        active.retain(|&a| {
+            let it = &items[a as usize];
+            it.offset + it.extent(gb) > start
+        });
+        for &a in &active {
+            if rows_meet(&items[a as usize], &items[i as usize], gb) {
+                let (x, y) = (a.min(i), a.max(i));
+                return Err(overlap(x as usize, y as usize, entries[y as usize].region));
+            }
+        }
+        active.push(i);
     }
     Ok(())
+}
+
+/// Whether two entries whose spans overlap share a byte, `a` starting no
+/// later than `b`.
+fn rows_meet(a: &Item, b: &Item, gb: u64) -> bool {
+    let (ra, pa, na) = a.rows(gb);
+    let (rb, pb, nb) = b.rows(gb);
+    if na == 1 && nb == 1 {
+        return true;
+    }
+    if pa == pb && na > 1 && nb > 1 {
+        // Same pitch: a row of b starts `d` into a period of a's rows; it
+        // can only meet the row it starts in or the next one.
+        let d = (b.offset - a.offset) % pa;
+        if d >= ra && d + rb <= pa {
+            return false;
+        }
+    }
+    // Exact: walk both lists of rows (each ascending).
+    let (mut i, mut j) = (0, 0);
+    while i < na && j < nb {
+        let (s1, s2) = (a.offset + i * pa, b.offset + j * pb);
+        if s1 < s2 + rb && s2 < s1 + ra {
+            return true;
+        }
+        if s1 + ra <= s2 + rb {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    false
 }

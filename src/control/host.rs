@@ -59,13 +59,20 @@ impl Session {
         let s = self.clone();
         Box::new(move || {
             let gb = s.ctl.cascade.layout().group_bytes() as usize;
+            // Strided groups are read whole into a buffer, then spread.
+            let strided = work.items.iter().filter(|it| it.row_bytes != 0).count();
+            let mut spread = vec![0u8; strided * gb];
+            let mut parts = spread.chunks_mut(gb.max(1));
             let mut items: Vec<(GroupIndex, &mut [u8])> = work
                 .items
                 .iter()
-                // SAFETY: admission checked each range is inside its
-                // region and that no two ranges overlap; `work` keeps
-                // the regions mapped until the job ends.
-                .map(|it| (it.g, unsafe { work.region(it).range_mut(it.offset, gb) }))
+                .map(|it| match it.row_bytes {
+                    // SAFETY: admission checked each range is inside its
+                    // region and that no two ranges overlap; `work` keeps
+                    // the regions mapped until the job ends.
+                    0 => (it.g, unsafe { work.region(it).range_mut(it.offset, gb) }),
+                    _ => (it.g, parts.next().expect("one part per strided item")),
+                })
                 .collect();
             let results: Vec<Result<(), CascadeError>> = s
                 .ctl
@@ -75,6 +82,26 @@ impl Session {
                 .map(|r| r.map(|_| ()))
                 .collect();
             drop(items);
+            let mut parts = spread.chunks(gb.max(1));
+            for (it, r) in work.items.iter().zip(&results) {
+                if it.row_bytes == 0 {
+                    continue;
+                }
+                let part = parts.next().expect("one part per strided item");
+                if r.is_err() {
+                    continue;
+                }
+                let (row, pitch, _) = it.rows(gb as u64);
+                for (k, src) in part.chunks(row as usize).enumerate() {
+                    // SAFETY: admission checked every row is inside the
+                    // region and no two entries' rows overlap.
+                    unsafe {
+                        work.region(it)
+                            .range_mut(it.offset + k as u64 * pitch, row as usize)
+                    }
+                    .copy_from_slice(src);
+                }
+            }
             let results = work.mark_damaged(results);
             s.complete(Command::Restore, ticket, started, results);
         })
@@ -92,8 +119,13 @@ impl Session {
                 let r = work.region(it);
                 // Copy out first: if the client shrinks the file under
                 // us, the group must not take the zero page.
-                // SAFETY: admission checked the range is inside the region.
-                copy.copy_from_slice(unsafe { r.range(it.offset, gb) });
+                let (row, pitch, _) = it.rows(gb as u64);
+                for (k, dst) in copy.chunks_mut(row as usize).enumerate() {
+                    // SAFETY: admission checked every row is inside the region.
+                    dst.copy_from_slice(unsafe {
+                        r.range(it.offset + k as u64 * pitch, row as usize)
+                    });
+                }
                 if r.damaged() {
                     return Err(CascadeError::RegionFault(r.path.display().to_string()));
                 }

@@ -30,6 +30,16 @@ pub const MAX_ENTRIES: u32 = 1 << 20;
 /// byte `arg1`. A request of any batch size is then a bare header, small
 /// enough for one ioctl(2).
 pub const ENTRIES_IN_REGION: u64 = 1;
+/// RESTORE/STORE `arg0` flag: the entries are strided, `STRIDED_ENTRY_BYTES`
+/// each (with or without `ENTRIES_IN_REGION`). A strided entry places its
+/// group in the region as `group_bytes / row_bytes` rows of `row_bytes`,
+/// `pitch` bytes apart, the first at `offset` (the group itself stays
+/// contiguous in kvfs): an engine's layout where K and V, or heads,
+/// interleave. `row_bytes` 0 means the group is contiguous at `offset`.
+pub const ENTRIES_STRIDED: u64 = 2;
+/// Strided RESTORE/STORE entry: the 32 bytes of an IO entry, then
+/// row_bytes u32, pad u32 (send 0; ignored), pitch u64.
+pub const STRIDED_ENTRY_BYTES: usize = 48;
 /// Longest REGISTER path.
 pub const MAX_PATH: u32 = 4096;
 /// ioctl(2) command number ('K' = 0x4b, nr 1); the size field of `_IOWR`
@@ -167,12 +177,32 @@ pub struct Header {
     pub arg1: u64,
 }
 
-/// One RESTORE/STORE entry.
+/// One RESTORE/STORE entry: the group named by `key` at `offset` of
+/// `region`, contiguous (`row_bytes` 0) or strided (see `ENTRIES_STRIDED`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IoEntry {
     pub key: RawKey,
     pub region: u32,
     pub offset: u64,
+    pub row_bytes: u32,
+    pub pitch: u64,
+}
+
+impl IoEntry {
+    /// A contiguous entry.
+    pub fn new(key: RawKey, region: u32, offset: u64) -> IoEntry {
+        IoEntry {
+            key,
+            region,
+            offset,
+            row_bytes: 0,
+            pitch: 0,
+        }
+    }
+
+    pub fn is_strided(&self) -> bool {
+        self.row_bytes != 0
+    }
 }
 
 /// A key as sent: not yet checked against the geometry (kind may be bad).
@@ -252,26 +282,61 @@ pub struct EntriesAt {
     pub region: u32,
     pub offset: u64,
     pub count: u32,
+    /// `STRIDED_ENTRY_BYTES` each, else `IO_ENTRY_BYTES`.
+    pub strided: bool,
+}
+
+impl EntriesAt {
+    pub fn entry_bytes(&self) -> usize {
+        if self.strided {
+            STRIDED_ENTRY_BYTES
+        } else {
+            IO_ENTRY_BYTES
+        }
+    }
 }
 
 /// Decodes RESTORE/STORE entries (`IO_ENTRY_BYTES` each; a trailing
 /// partial entry is ignored: callers pass whole entries).
 pub fn decode_io_entries(body: &[u8]) -> Vec<IoEntry> {
     body.chunks_exact(IO_ENTRY_BYTES)
+        .map(|c| IoEntry::new(decode_key(c), u32_at(c, 20), u64_at(c, 24)))
+        .collect()
+}
+
+/// Decodes strided RESTORE/STORE entries (`STRIDED_ENTRY_BYTES` each).
+/// The pad word is ignored (clients send 0).
+pub fn decode_strided_entries(body: &[u8]) -> Vec<IoEntry> {
+    body.chunks_exact(STRIDED_ENTRY_BYTES)
         .map(|c| IoEntry {
             key: decode_key(c),
             region: u32_at(c, 20),
             offset: u64_at(c, 24),
+            row_bytes: u32_at(c, 32),
+            pitch: u64_at(c, 40),
         })
         .collect()
 }
 
-/// Appends RESTORE/STORE entries in wire form.
+/// Appends RESTORE/STORE entries in wire form, contiguous (row_bytes and
+/// pitch are not sent: use `encode_strided_entries` for strided ones).
 pub fn encode_io_entries(out: &mut Vec<u8>, entries: &[IoEntry]) {
     for x in entries {
         encode_key(out, &x.key);
         out.extend_from_slice(&x.region.to_le_bytes());
         out.extend_from_slice(&x.offset.to_le_bytes());
+    }
+}
+
+/// Appends RESTORE/STORE entries in strided wire form.
+pub fn encode_strided_entries(out: &mut Vec<u8>, entries: &[IoEntry]) {
+    for x in entries {
+        encode_key(out, &x.key);
+        out.extend_from_slice(&x.region.to_le_bytes());
+        out.extend_from_slice(&x.offset.to_le_bytes());
+        out.extend_from_slice(&x.row_bytes.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&x.pitch.to_le_bytes());
     }
 }
 
@@ -303,7 +368,7 @@ pub enum DecodeError {
     Reserved(u32),
     #[error("region id {0} does not fit in 32 bits")]
     RegionId(u64),
-    #[error("unknown {command} flags {flags:#x} (1 = entries in a region)")]
+    #[error("unknown {command} flags {flags:#x} (1 = entries in a region, 2 = strided entries)")]
     Flags { command: &'static str, flags: u64 },
 }
 
@@ -352,8 +417,8 @@ pub fn encode_request(r: &Request) -> Vec<u8> {
             (Command::Register, path.len() as u32, *flags, *len)
         }
         Request::Unregister { region } => (Command::Unregister, 0, *region as u64, 0),
-        Request::Restore(e) => (Command::Restore, e.len() as u32, 0, 0),
-        Request::Store(e) => (Command::Store, e.len() as u32, 0, 0),
+        Request::Restore(e) => (Command::Restore, e.len() as u32, strided_flag(e), 0),
+        Request::Store(e) => (Command::Store, e.len() as u32, strided_flag(e), 0),
         Request::RestoreFrom(a) | Request::StoreFrom(a) => (
             if matches!(r, Request::RestoreFrom(_)) {
                 Command::Restore
@@ -361,7 +426,9 @@ pub fn encode_request(r: &Request) -> Vec<u8> {
                 Command::Store
             },
             a.count,
-            ((a.region as u64) << 32) | ENTRIES_IN_REGION,
+            ((a.region as u64) << 32)
+                | ENTRIES_IN_REGION
+                | if a.strided { ENTRIES_STRIDED } else { 0 },
             a.offset,
         ),
         Request::Query(k) => (Command::Query, k.len() as u32, 0, 0),
@@ -377,6 +444,9 @@ pub fn encode_request(r: &Request) -> Vec<u8> {
     encode_header(&mut out, REQUEST_MAGIC, &h);
     match r {
         Request::Register { path, .. } => out.extend_from_slice(path),
+        Request::Restore(e) | Request::Store(e) if strided_flag(e) != 0 => {
+            encode_strided_entries(&mut out, e)
+        }
         Request::Restore(e) | Request::Store(e) => encode_io_entries(&mut out, e),
         Request::Query(k) | Request::Prefetch(k) => {
             for x in k {
@@ -387,6 +457,15 @@ pub fn encode_request(r: &Request) -> Vec<u8> {
         _ => {}
     }
     out
+}
+
+/// `ENTRIES_STRIDED` when any entry is strided (then all go in that form).
+fn strided_flag(e: &[IoEntry]) -> u64 {
+    if e.iter().any(IoEntry::is_strided) {
+        ENTRIES_STRIDED
+    } else {
+        0
+    }
 }
 
 /// Reads a request header and says how many bytes the whole request has.
@@ -428,13 +507,13 @@ pub fn request_len(b: &[u8]) -> Result<(Header, usize), DecodeError> {
         }
         Command::Restore | Command::Store => {
             let flags = h.arg0 & 0xffff_ffff;
-            if flags & !ENTRIES_IN_REGION != 0 {
+            if flags & !(ENTRIES_IN_REGION | ENTRIES_STRIDED) != 0 {
                 return Err(DecodeError::Flags {
                     command: cmd.name(),
                     flags,
                 });
             }
-            if flags == ENTRIES_IN_REGION {
+            if flags & ENTRIES_IN_REGION != 0 {
                 // Entries in a region: a bare header, but the same count limit.
                 if h.count > MAX_ENTRIES {
                     return Err(DecodeError::TooMany {
@@ -444,6 +523,8 @@ pub fn request_len(b: &[u8]) -> Result<(Header, usize), DecodeError> {
                     });
                 }
                 0
+            } else if flags & ENTRIES_STRIDED != 0 {
+                STRIDED_ENTRY_BYTES
             } else {
                 IO_ENTRY_BYTES
             }
@@ -489,6 +570,7 @@ pub fn decode_request(b: &[u8]) -> Result<Request, DecodeError> {
                 region: (h.arg0 >> 32) as u32,
                 offset: h.arg1,
                 count: h.count,
+                strided: h.arg0 & ENTRIES_STRIDED != 0,
             };
             if cmd == Command::Restore {
                 Request::RestoreFrom(at)
@@ -497,7 +579,11 @@ pub fn decode_request(b: &[u8]) -> Result<Request, DecodeError> {
             }
         }
         Command::Restore | Command::Store => {
-            let e = decode_io_entries(body);
+            let e = if h.arg0 & ENTRIES_STRIDED != 0 {
+                decode_strided_entries(body)
+            } else {
+                decode_io_entries(body)
+            };
             if cmd == Command::Restore {
                 Request::Restore(e)
             } else {
@@ -674,6 +760,23 @@ mod tests {
         )
     }
 
+    /// Contiguous entries, or strided ones (a contiguous entry has no pitch).
+    fn entry_strategy() -> impl Strategy<Value = IoEntry> {
+        (
+            key_strategy(),
+            any::<u32>(),
+            any::<u64>(),
+            prop_oneof![Just((0u32, 0u64)), (1u32.., any::<u64>())],
+        )
+            .prop_map(|(key, region, offset, (row_bytes, pitch))| IoEntry {
+                key,
+                region,
+                offset,
+                row_bytes,
+                pitch,
+            })
+    }
+
     fn request_strategy() -> impl Strategy<Value = Request> {
         prop_oneof![
             Just(Request::Hello),
@@ -690,6 +793,7 @@ mod tests {
                         region,
                         offset,
                         count,
+                        strided: count % 2 == 1,
                     };
                     if restore {
                         Request::RestoreFrom(at)
@@ -698,29 +802,14 @@ mod tests {
                     }
                 }
             ),
-            proptest::collection::vec((key_strategy(), any::<u32>(), any::<u64>()), 0..20)
-                .prop_map(|v| {
-                    Request::Restore(
-                        v.into_iter()
-                            .map(|(key, region, offset)| IoEntry {
-                                key,
-                                region,
-                                offset,
-                            })
-                            .collect(),
-                    )
-                }),
-            proptest::collection::vec((key_strategy(), any::<u32>(), any::<u64>()), 0..20)
-                .prop_map(|v| {
-                    Request::Store(
-                        v.into_iter()
-                            .map(|(key, region, offset)| IoEntry {
-                                key,
-                                region,
-                                offset,
-                            })
-                            .collect(),
-                    )
+            (
+                proptest::collection::vec(entry_strategy(), 0..20),
+                any::<bool>()
+            )
+                .prop_map(|(v, restore)| if restore {
+                    Request::Restore(v)
+                } else {
+                    Request::Store(v)
                 }),
             proptest::collection::vec(key_strategy(), 0..20).prop_map(Request::Query),
             proptest::collection::vec(key_strategy(), 0..20).prop_map(Request::Prefetch),

@@ -36,12 +36,14 @@ STATES = {0: "empty", 1: "backing", 2: "t1"}
 _HEADER = struct.Struct("<IHHIIQQ")     # magic, version, command, count, reserved, arg0, arg1
 _REPLY = struct.Struct("<IHHIIQII")     # magic, version, command, status, count, value, failed, entry
 _IO_ENTRY = "QIIIIQ"    # block, layer, head, kind, region, offset (32 bytes)
+_STRIDED_ENTRY = "QIIIIQIIQ"  # ... offset, row_bytes, pad, pitch (48 bytes)
 _KEY_ENTRY = "QIIII"     # block, layer, head, kind, pad (24 bytes)
 _STATE = struct.Struct("<BBHI")         # state, dirty, pad, crc32c
 
 
 REGISTER_CUDA = 1
 ENTRIES_IN_REGION = 1  # RESTORE/STORE arg0 flag; the region id is in arg0's upper 32 bits
+ENTRIES_STRIDED = 2    # RESTORE/STORE arg0 flag: 48-byte entries with row_bytes and pitch
 _IOCTL_MAX = (1 << 14) - 1  # the size field of an ioctl number
 _IOCTL_MESSAGE = 1024       # room for a reply's message in an ioctl buffer
 
@@ -68,7 +70,10 @@ def _ticket(value, message):
 
 
 class Encoded(bytes):
-    """RESTORE/STORE entries already in wire form (see Kvfs.encode_entries)."""
+    """RESTORE/STORE entries already in wire form (see Kvfs.encode_entries);
+    .strided: in the 48-byte strided form."""
+
+    strided = False
 
 
 class KvfsError(OSError):
@@ -233,13 +238,29 @@ class Kvfs:
         self._call(UNREGISTER, 0, region)
 
     def _io_body(self, entries):
+        """(body, strided): 6-tuples (layer, block, head, kind, region,
+        offset) in the 32-byte form; if any entry is an 8-tuple (…, offset,
+        row_bytes, pitch), all in the 48-byte strided form (a 6-tuple is
+        then contiguous: row_bytes 0)."""
         # One struct.pack call for the whole batch: per-entry packing costs
         # more than the rest of a 1024-entry request.
         flat = []
         add = flat.extend
-        for layer, block, head, kind, region, offset in entries:
-            add((block, layer, head, _kind(kind), region, offset))
-        return struct.pack("<" + _IO_ENTRY * (len(flat) // 6), *flat)
+        if all(len(e) == 6 for e in entries):
+            for layer, block, head, kind, region, offset in entries:
+                add((block, layer, head, _kind(kind), region, offset))
+            return struct.pack("<" + _IO_ENTRY * len(entries), *flat), False
+        for e in entries:
+            if len(e) == 6:
+                layer, block, head, kind, region, offset = e
+                row_bytes, pitch = 0, 0
+            elif len(e) == 8:
+                layer, block, head, kind, region, offset, row_bytes, pitch = e
+            else:
+                raise ValueError(f"an entry is (layer, block, head, kind, region, offset) or that and "
+                                 f"(row_bytes, pitch), not {e!r}")
+            add((block, layer, head, _kind(kind), region, offset, row_bytes, 0, pitch))
+        return struct.pack("<" + _STRIDED_ENTRY * len(entries), *flat), True
 
     def _key_body(self, keys):
         flat = []
@@ -252,13 +273,19 @@ class Kvfs:
         """Pre-encodes RESTORE/STORE entries; pass the result to restore() or
         store() in place of the list to skip encoding on every call (an
         engine reusing the same block tables, a benchmark)."""
-        return Encoded(self._io_body(list(entries)))
+        body, strided = self._io_body(list(entries))
+        e = Encoded(body)
+        e.strided = strided
+        return e
 
     def _entries(self, entries):
+        """(count, body, arg0 flags)."""
         if isinstance(entries, Encoded):
-            return len(entries) // 32, entries
+            size = 48 if entries.strided else 32
+            return len(entries) // size, entries, ENTRIES_STRIDED if entries.strided else 0
         entries = list(entries)
-        return len(entries), self._io_body(entries)
+        body, strided = self._io_body(entries)
+        return len(entries), body, ENTRIES_STRIDED if strided else 0
 
     def _scratch_for(self, size):
         """A host region of this session for batches' entries, at least
@@ -282,9 +309,9 @@ class Kvfs:
         return self._scratch
 
     def _io(self, command, entries):
-        count, body = self._entries(entries)
+        count, body, flags = self._entries(entries)
         if not self._use_ioctl or _HEADER.size + len(body) <= _IOCTL_MAX:
-            return self._call(command, count, body=body)
+            return self._call(command, count, flags, body=body)
         # Too large for one ioctl: the entries go into this session's
         # scratch region and the request names them there (a bare header,
         # one trip through FUSE). The daemon has read them when the call
@@ -292,10 +319,12 @@ class Kvfs:
         with self._lock:
             region, mm, _ = self._scratch_for(len(body))
             mm[:len(body)] = body
-            return self._call(command, count, (region << 32) | ENTRIES_IN_REGION, 0)
+            return self._call(command, count, (region << 32) | ENTRIES_IN_REGION | flags, 0)
 
     def restore(self, entries, wait=True):
-        """Restores groups into regions. entries: (layer, block, head, 'K'|'V', region, offset).
+        """Restores groups into regions. entries: (layer, block, head, 'K'|'V', region, offset),
+        or (…, offset, row_bytes, pitch): the group's bytes as rows of
+        row_bytes, pitch bytes apart (an engine's interleaved layout).
         Returns the ticket (after it finished, when wait is true); for CUDA
         regions the ticket carries .ipc_event_handle."""
         ticket = _ticket(*self._io(RESTORE, entries))

@@ -236,6 +236,7 @@ class KvfsCache(Cache):
                  resident_layers=4, prefetch=2, index=None, model_id=None, kv=None, dtype=None):
         layers, kv_heads, head_dim, cfg_dtype = model_shape(config)
         dtype = dtype or cfg_dtype
+        self._own_kv = kv is None
         self.kv = kv or Kvfs(mount)
         self.mount = mount
         g = self.kv.layout
@@ -634,6 +635,8 @@ class KvfsCache(Cache):
             self.kv.unregister(self.ring_region)
         finally:
             self.index.release(self.base)
+            if self._own_kv:
+                self.kv.close()
             self.kv = None
 
     def __enter__(self):

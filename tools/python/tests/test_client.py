@@ -119,6 +119,49 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(e.exception.errno, errno.EINVAL)
         self.kv.unregister(r)
 
+    def test_strided_entries(self):
+        # An engine layout where K and V rows interleave: per (block, head)
+        # a slice of block_tokens rows of [K | V], each row_bytes long.
+        g = self.kv.layout
+        bt, row = g["block_tokens"], self.gb // g["block_tokens"]
+        pitch, heads = 2 * row, g["kv_heads"]
+        slice_ = bt * pitch
+        blocks = 4
+        n = blocks * heads * slice_
+        src = Region(n)
+        data = pattern(77, n)
+        src.write(0, data)
+        self.regions.append(src)
+        rs = self.kv.register_host_region(src.path, n)
+        keys = [(1, b, h, k) for b in range(blocks) for h in range(heads) for k in "KV"]
+
+        def entries(region):
+            return [(l, b, h, k, region, (b * heads + h) * slice_ + (row if k == "V" else 0), row, pitch)
+                    for (l, b, h, k) in keys]
+
+        self.kv.store(entries(rs))
+        for (l, b, h, k), e in zip(keys, entries(rs)):
+            want = b"".join(data[e[5] + r * pitch:e[5] + r * pitch + row] for r in range(bt))
+            with open(self.group_path(l, b, h, k), "rb") as f:
+                self.assertEqual(f.read(), want, (l, b, h, k))
+        dst = self.region(n // self.gb)
+        rd = self.kv.register_host_region(dst.path, dst.size)
+        enc = self.kv.encode_entries(entries(rd))
+        self.assertTrue(enc.strided)
+        self.kv.restore(enc)
+        self.assertEqual(dst.read(0, n), data)
+        # Rows of two entries that collide are refused, naming both.
+        bad = entries(rd)[:2]
+        bad[1] = bad[1][:5] + (bad[0][5] + 16, row, pitch)
+        with self.assertRaises(KvfsError) as e:
+            self.kv.restore(bad)
+        self.assertEqual(e.exception.errno, errno.EINVAL)
+        self.assertIn("overlapping", e.exception.message)
+        with self.assertRaises(ValueError):
+            self.kv.restore([(1, 0, 0, "K", rd, 0, row)])
+        self.kv.unregister(rs)
+        self.kv.unregister(rd)
+
     def test_large_batches(self):
         # 1024 entries (32 KiB): too large for one ioctl, so the entries go
         # through the session's scratch region (or write/read without ioctl).
