@@ -59,4 +59,9 @@ fn python_client() {
             .any(|l| l.contains("(test_package.") && l.ends_with(" ... ok")),
         "the package tests did not run:\n{text}"
     );
+    assert!(
+        text.lines()
+            .any(|l| l.contains("(test_layouts.MountedLayoutTest.") && l.ends_with(" ... ok")),
+        "the engine-layout tests did not run against the mount:\n{text}"
+    );
 }

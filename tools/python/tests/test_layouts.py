@@ -1,0 +1,108 @@
+"""kvfs.layouts: engine KV layouts as strided entries. The offsets are
+checked against each layout's shape (row-major element index) without a
+mount; with KVFS_MOUNT, tensors hand-built in each layout in host regions
+are stored and restored byte for byte."""
+
+import itertools
+import os
+import tempfile
+import unittest
+
+from kvfs import Kvfs
+from kvfs.layouts import EngineLayout, LayoutError
+
+MOUNT = os.environ.get("KVFS_MOUNT")
+
+
+def element(layout, shape, block, head, token, kv, d):
+    """Row-major element index of (block, head, token, K|V, d) in a tensor
+    of the layout's shape."""
+    nb, H, T, D = shape
+    if layout == "vllm":  # [nb, H, T, 2 × D]
+        return ((block * H + head) * T + token) * 2 * D + kv * D + d
+    # flash: [2, nb, T, H, D]
+    return (((kv * nb + block) * T + token) * H + head) * D + d
+
+
+class PlacementTest(unittest.TestCase):
+    def test_offsets_match_the_shapes(self):
+        shape = (3, 2, 4, 8)
+        for name in ("vllm", "flash"):
+            lay = EngineLayout(name, *shape, dtype_bytes=2)
+            for block, head, token, kv, d in itertools.product(range(3), range(2), range(4), range(2), (0, 7)):
+                off, row, pitch = lay.place(block, head, "KV"[kv])
+                self.assertEqual(row, 16)
+                self.assertEqual(off + token * pitch + d * 2,
+                                 element(name, shape, block, head, token, kv, d) * 2,
+                                 (name, block, head, token, kv, d))
+
+    def test_bad_shapes_and_places(self):
+        with self.assertRaises(LayoutError):
+            EngineLayout("nhd", 1, 1, 1, 1, 2)
+        with self.assertRaises(LayoutError):
+            EngineLayout("vllm", 0, 1, 1, 1, 2)
+        lay = EngineLayout("vllm", 2, 2, 16, 64, 2)
+        with self.assertRaises(LayoutError):
+            lay.place(2, 0, "K")
+        with self.assertRaises(LayoutError):
+            lay.place(0, 2, "V")
+
+    def test_mount_fit(self):
+        geo = {"block_tokens": 16, "head_dim": 64, "dtype": "bf16", "kv_heads": 8}
+        EngineLayout("vllm", 4, 8, 16, 64, 2).check_mount(geo)
+        EngineLayout("vllm", 4, 4, 16, 64, 2).check_mount(geo, head_offset=4)
+        for bad, off in (((4, 8, 32, 64, 2), 0), ((4, 8, 16, 128, 2), 0), ((4, 8, 16, 64, 4), 0),
+                         ((4, 4, 16, 64, 2), 5)):
+            with self.assertRaises(LayoutError) as e:
+                EngineLayout("vllm", *bad).check_mount(geo, head_offset=off)
+            self.assertIn("block_size", str(e.exception))
+
+
+@unittest.skipUnless(MOUNT, "KVFS_MOUNT is not set")
+class MountedLayoutTest(unittest.TestCase):
+    def setUp(self):
+        self.kv = Kvfs(MOUNT)
+        g = self.kv.layout
+        self.g = g
+        self.files = []
+
+    def tearDown(self):
+        self.kv.close()
+        for fd, path in self.files:
+            os.close(fd)
+            os.unlink(path)
+
+    def region(self, size, data=None):
+        fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="kvfs-layout-")
+        os.ftruncate(fd, size)
+        if data is not None:
+            os.pwrite(fd, data, 0)
+        self.files.append((fd, path))
+        return fd, self.kv.register_host_region(path, size)
+
+    def test_layer_tensors_round_trip(self):
+        g = self.g
+        for name in ("vllm", "flash"):
+            lay = EngineLayout(name, 4, g["kv_heads"], g["block_tokens"], g["head_dim"], 2)
+            lay.check_mount(g)
+            base = 64  # the tensor need not start the region
+            data = os.urandom(lay.layer_bytes)
+            _, src = self.region(base + lay.layer_bytes, b"\0" * base + data)
+            # Engine blocks 0..3 to kvfs blocks 7, 5, 3, 1 of layer 1.
+            pairs = [(0, 7), (1, 5), (2, 3), (3, 1)]
+            self.kv.store(lay.entries(1, src, pairs, base=base))
+            for eb, kb in pairs:
+                for h in range(g["kv_heads"]):
+                    for kind in "KV":
+                        off, row, pitch = lay.place(eb, h, kind)
+                        want = b"".join(data[off + t * pitch:off + t * pitch + row]
+                                        for t in range(g["block_tokens"]))
+                        with open(os.path.join(MOUNT, "L1", f"B{kb}", f"H{h}", kind), "rb") as f:
+                            self.assertEqual(f.read(), want, (name, eb, kb, h, kind))
+            fd, dst = self.region(base + lay.layer_bytes)
+            self.kv.restore(lay.entries(1, dst, pairs, base=base))
+            self.assertEqual(os.pread(fd, lay.layer_bytes, base), data, name)
+
+
+if __name__ == "__main__":
+    unittest.main()
