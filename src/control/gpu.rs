@@ -65,9 +65,10 @@ fn no_driver() -> Rejection {
 }
 
 impl Session {
-    /// A RESTORE into CUDA regions: enqueued before the reply, resolved
-    /// and released by the job, which waits for the copy before it lets go
-    /// of the slots.
+    /// A RESTORE into CUDA regions, enqueued before the reply: a batch all
+    /// in T1 pinned and let go at once (copy engines or kernel), its slots
+    /// released by the engine's completion thread after the copy; any
+    /// other resolved and released by an executor job.
     pub(super) fn submit_gpu_restore(
         self: &Arc<Session>,
         work: Batch,
