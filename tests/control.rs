@@ -42,17 +42,6 @@ fn path(k: &GroupKey) -> String {
     k.to_string()
 }
 
-fn errno(r: Result<impl std::fmt::Debug, kvfs::client::ClientError>) -> (i32, Option<u32>, String) {
-    match r {
-        Err(kvfs::client::ClientError::Refused {
-            errno,
-            entry,
-            message,
-        }) => (errno, entry, message),
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-}
-
 #[test]
 fn store_and_restore_round_trip_against_file_reads() {
     if !can_mount() {

@@ -67,11 +67,16 @@ fn gathered(layout: &[u8], e: &Strided) -> Vec<u8> {
         .collect()
 }
 
-fn errno(r: Result<u64, kvfs::client::ClientError>) -> (i32, String) {
-    match r {
-        Err(kvfs::client::ClientError::Refused { errno, message, .. }) => (errno, message),
-        other => panic!("expected a refusal, got {other:?}"),
-    }
+/// A mount, a client, and a host region (registered) holding layer 0 of
+/// the engine's cache, filled with `pattern(seed)`.
+fn engine_layer(seed: u64) -> (Mount, Client, ShmRegion, u32) {
+    let m = Mount::new(GEOMETRY);
+    let c = Client::open(&m.mp).unwrap();
+    let len = 8 * 2 * SLICE;
+    let src = ShmRegion::new(len);
+    src.write(0, &pattern(seed, len as usize));
+    let rs = c.register_host_region(&src.path(), src.len).unwrap();
+    (m, c, src, rs)
 }
 
 #[test]
@@ -79,13 +84,8 @@ fn interleaved_k_and_v_round_trip_byte_for_byte() {
     if !can_mount() {
         return;
     }
-    let m = Mount::new(GEOMETRY);
-    let c = Client::open(&m.mp).unwrap();
-    let len = 8 * 2 * SLICE;
-    let src = ShmRegion::new(len);
-    let layout = pattern(7, len as usize);
-    src.write(0, &layout);
-    let rs = c.register_host_region(&src.path(), src.len).unwrap();
+    let (m, c, src, rs) = engine_layer(7);
+    let (len, layout) = (src.len, src.read(0, src.len as usize));
     let t = c.store_strided(&all(rs)).unwrap();
     c.wait(t, None).unwrap().ok().unwrap();
     // Each group file holds its rows, gathered: kvfs keeps groups contiguous.
@@ -131,13 +131,8 @@ fn strided_entries_named_in_a_region() {
     if !can_mount() {
         return;
     }
-    let m = Mount::new(GEOMETRY);
-    let c = Client::open(&m.mp).unwrap();
-    let len = 8 * 2 * SLICE;
-    let src = ShmRegion::new(len);
-    let layout = pattern(11, len as usize);
-    src.write(0, &layout);
-    let rs = c.register_host_region(&src.path(), src.len).unwrap();
+    let (_m, c, src, rs) = engine_layer(11);
+    let (len, layout) = (src.len, src.read(0, src.len as usize));
     let dst = ShmRegion::new(len);
     let rd = c.register_host_region(&dst.path(), dst.len).unwrap();
     let list = ShmRegion::new(64 + 32 * wire::STRIDED_ENTRY_BYTES as u64);
@@ -246,7 +241,7 @@ fn bad_strided_entries_are_refused_and_nothing_changes() {
         ),
     ];
     for (what, entries, want, words) in cases {
-        let (e, msg) = errno(c.restore_strided(&entries));
+        let (e, _, msg) = errno(c.restore_strided(&entries));
         assert_eq!(e, want, "{what}: {msg}");
         assert!(msg.contains(words), "{what}: {msg}");
     }

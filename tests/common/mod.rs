@@ -199,3 +199,18 @@ pub fn geometry(layers: u32, blocks: u64) -> Vec<String> {
     .map(|s| s.to_string())
     .collect()
 }
+
+/// The errno, entry and message of a refused control request (panics on
+/// anything else).
+pub fn errno(
+    r: Result<impl std::fmt::Debug, kvfs::client::ClientError>,
+) -> (i32, Option<u32>, String) {
+    match r {
+        Err(kvfs::client::ClientError::Refused {
+            errno,
+            entry,
+            message,
+        }) => (errno, entry, message),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
