@@ -244,14 +244,14 @@ impl Client {
     /// `restore` with strided entries (an engine's interleaved layout).
     pub fn restore_strided(&self, entries: &[Strided]) -> Result<u64, ClientError> {
         Ok(self
-            .call(&Request::Restore(strided_entries(entries)), 0)?
+            .call(&Request::RestoreStrided(strided_entries(entries)), 0)?
             .value)
     }
 
     /// `store` with strided entries.
     pub fn store_strided(&self, entries: &[Strided]) -> Result<u64, ClientError> {
         Ok(self
-            .call(&Request::Store(strided_entries(entries)), 0)?
+            .call(&Request::StoreStrided(strided_entries(entries)), 0)?
             .value)
     }
 

@@ -419,8 +419,10 @@ impl Session {
             Request::Hello => Command::Hello,
             Request::Register { .. } => Command::Register,
             Request::Unregister { .. } => Command::Unregister,
-            Request::Restore(_) | Request::RestoreFrom(_) => Command::Restore,
-            Request::Store(_) | Request::StoreFrom(_) => Command::Store,
+            Request::Restore(_) | Request::RestoreStrided(_) | Request::RestoreFrom(_) => {
+                Command::Restore
+            }
+            Request::Store(_) | Request::StoreStrided(_) | Request::StoreFrom(_) => Command::Store,
             Request::Query(_) => Command::Query,
             Request::Prefetch(_) => Command::Prefetch,
             Request::Wait { .. } => unreachable!("WAIT is handled by its transport"),
@@ -429,8 +431,10 @@ impl Session {
             Request::Hello => Ok(self.hello()),
             Request::Register { path, len, flags } => self.register(&path, len, flags),
             Request::Unregister { region } => self.unregister(region),
-            Request::Restore(e) => self.submit_io(Command::Restore, &e),
-            Request::Store(e) => self.submit_io(Command::Store, &e),
+            Request::Restore(e) | Request::RestoreStrided(e) => {
+                self.submit_io(Command::Restore, &e)
+            }
+            Request::Store(e) | Request::StoreStrided(e) => self.submit_io(Command::Store, &e),
             Request::RestoreFrom(at) => self
                 .entries_from(at)
                 .and_then(|e| self.submit_io(Command::Restore, &e)),

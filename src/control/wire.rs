@@ -262,8 +262,12 @@ pub enum Request {
     Unregister {
         region: u32,
     },
+    /// Contiguous entries (their row_bytes and pitch are not sent).
     Restore(Vec<IoEntry>),
     Store(Vec<IoEntry>),
+    /// Entries in the strided form (`ENTRIES_STRIDED`).
+    RestoreStrided(Vec<IoEntry>),
+    StoreStrided(Vec<IoEntry>),
     /// RESTORE with its entries in a region (`ENTRIES_IN_REGION`).
     RestoreFrom(EntriesAt),
     /// STORE with its entries in a region.
@@ -417,8 +421,10 @@ pub fn encode_request(r: &Request) -> Vec<u8> {
             (Command::Register, path.len() as u32, *flags, *len)
         }
         Request::Unregister { region } => (Command::Unregister, 0, *region as u64, 0),
-        Request::Restore(e) => (Command::Restore, e.len() as u32, strided_flag(e), 0),
-        Request::Store(e) => (Command::Store, e.len() as u32, strided_flag(e), 0),
+        Request::Restore(e) => (Command::Restore, e.len() as u32, 0, 0),
+        Request::Store(e) => (Command::Store, e.len() as u32, 0, 0),
+        Request::RestoreStrided(e) => (Command::Restore, e.len() as u32, ENTRIES_STRIDED, 0),
+        Request::StoreStrided(e) => (Command::Store, e.len() as u32, ENTRIES_STRIDED, 0),
         Request::RestoreFrom(a) | Request::StoreFrom(a) => (
             if matches!(r, Request::RestoreFrom(_)) {
                 Command::Restore
@@ -444,7 +450,7 @@ pub fn encode_request(r: &Request) -> Vec<u8> {
     encode_header(&mut out, REQUEST_MAGIC, &h);
     match r {
         Request::Register { path, .. } => out.extend_from_slice(path),
-        Request::Restore(e) | Request::Store(e) if strided_flag(e) != 0 => {
+        Request::RestoreStrided(e) | Request::StoreStrided(e) => {
             encode_strided_entries(&mut out, e)
         }
         Request::Restore(e) | Request::Store(e) => encode_io_entries(&mut out, e),
@@ -457,15 +463,6 @@ pub fn encode_request(r: &Request) -> Vec<u8> {
         _ => {}
     }
     out
-}
-
-/// `ENTRIES_STRIDED` when any entry is strided (then all go in that form).
-fn strided_flag(e: &[IoEntry]) -> u64 {
-    if e.iter().any(IoEntry::is_strided) {
-        ENTRIES_STRIDED
-    } else {
-        0
-    }
 }
 
 /// Reads a request header and says how many bytes the whole request has.
@@ -578,12 +575,16 @@ pub fn decode_request(b: &[u8]) -> Result<Request, DecodeError> {
                 Request::StoreFrom(at)
             }
         }
-        Command::Restore | Command::Store => {
-            let e = if h.arg0 & ENTRIES_STRIDED != 0 {
-                decode_strided_entries(body)
+        Command::Restore | Command::Store if h.arg0 & ENTRIES_STRIDED != 0 => {
+            let e = decode_strided_entries(body);
+            if cmd == Command::Restore {
+                Request::RestoreStrided(e)
             } else {
-                decode_io_entries(body)
-            };
+                Request::StoreStrided(e)
+            }
+        }
+        Command::Restore | Command::Store => {
+            let e = decode_io_entries(body);
             if cmd == Command::Restore {
                 Request::Restore(e)
             } else {
@@ -802,15 +803,19 @@ mod tests {
                     }
                 }
             ),
-            (
-                proptest::collection::vec(entry_strategy(), 0..20),
-                any::<bool>()
-            )
-                .prop_map(|(v, restore)| if restore {
-                    Request::Restore(v)
-                } else {
-                    Request::Store(v)
-                }),
+            (proptest::collection::vec(entry_strategy(), 0..20), 0..4u8).prop_map(|(v, how)| {
+                let plain = || {
+                    v.iter()
+                        .map(|e| IoEntry::new(e.key, e.region, e.offset))
+                        .collect()
+                };
+                match how {
+                    0 => Request::Restore(plain()),
+                    1 => Request::Store(plain()),
+                    2 => Request::RestoreStrided(v),
+                    _ => Request::StoreStrided(v),
+                }
+            }),
             proptest::collection::vec(key_strategy(), 0..20).prop_map(Request::Query),
             proptest::collection::vec(key_strategy(), 0..20).prop_map(Request::Prefetch),
             (any::<u64>(), any::<u64>())
