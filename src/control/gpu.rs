@@ -18,8 +18,9 @@ use super::session::Session;
 use super::wire::{Command, NO_ENTRY, Reply};
 use super::{Rejection, reject};
 use crate::cascade::CascadeError;
+use crate::cascade::DevicePins;
 use crate::geometry::GroupIndex;
-use crate::gpu::engine::{Descriptor, DirectRestore, Runs};
+use crate::gpu::engine::{Descriptor, PooledEvent, Runs};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -87,49 +88,38 @@ impl Session {
         };
         let checked = Instant::now();
         // A batch all in T1 is pinned here, looked up once, needs no
-        // staging, and goes on the fd's ordered lane.
+        // staging, and goes on the fd's ordered lane. Only such batches use
+        // the lane, and each is let go before the lane is: no copy on the
+        // lane waits for a job.
         let groups: Vec<GroupIndex> = work.items.iter().map(|it| it.g).collect();
-        let held = self.ctl.cascade.try_pin_resident(&groups);
-        let resident_us = checked.elapsed().as_micros() as u64;
-        let held = match held {
-            Some((addrs, pins)) => {
-                match self.copy_on_engines(&work, &addrs, gb as usize, admitted) {
-                    Some(done) => {
-                        return done.map(|(ticket, copy, reply)| {
-                            let s = self.clone();
-                            self.ctl.gpu.then(Box::new(move || {
-                                let started = Instant::now();
-                                let r = copy.finish();
-                                drop(pins);
-                                s.complete(Command::Restore, ticket, started, copy_results(n, &r));
-                            }));
-                            reply
-                        });
-                    }
-                    None => Some((addrs, pins)),
-                }
+        if let Some((addrs, pins)) = self.ctl.cascade.try_pin_resident(&groups) {
+            let resident_us = checked.elapsed().as_micros() as u64;
+            if let Some(runs) = self.engine_runs(&work, &addrs, gb as usize) {
+                let n_runs = runs.len();
+                let copy = self
+                    .ctl
+                    .gpu
+                    .copy_runs(runs, &mut self.lane.lock())
+                    .map_err(fail)?;
+                let (ticket, reply) = self.gpu_ticket(copy.event());
+                tracing::debug!(
+                    ticket,
+                    n,
+                    runs = n_runs,
+                    admit_us = admitted.elapsed().as_micros() as u64,
+                    resident_us,
+                    "GPU restore of pinned T1 groups on the copy engines"
+                );
+                self.release_after(ticket, n, pins, move || copy.finish());
+                return Ok(reply);
             }
-            None => None,
-        };
-        // Only pinned batches use the lane, and each sets its flag before
-        // letting go of it: no copy on the lane waits for a job.
-        let mut lane = held.is_some().then(|| self.lane.lock());
-        let staging_slots = if held.is_some() { 0 } else { n };
-        let mut copy = self
-            .ctl
-            .gpu
-            .restore(n, gb, stride, staging_slots, lane.as_mut())
-            .map_err(fail)?;
-        let ticket = self.new_ticket();
-        let mut reply = Reply::ok(Command::Restore, ticket);
-        reply.message = format!("ipc_event={}", copy.event().handle_hex());
-        self.st.lock().events.insert(ticket, copy.event().clone());
-        let s = self.clone();
-        if let Some((addrs, pins)) = held {
-            // All pinned: the descriptors are written and the copy let go
-            // now; the completion thread waits for it and lets go of the
-            // slots. No executor thread is involved, so a writer waiting
-            // on an executor for these slots cannot hold up their release.
+            let mut lane = self.lane.lock();
+            let mut copy = self
+                .ctl
+                .gpu
+                .restore(n, gb, stride, 0, Some(&mut lane))
+                .map_err(fail)?;
+            let (ticket, reply) = self.gpu_ticket(copy.event());
             copy.describe(|i| {
                 let it = &work.items[i];
                 Descriptor {
@@ -139,21 +129,20 @@ impl Session {
             });
             copy.start();
             drop(lane);
-            let started = Instant::now();
             tracing::debug!(
                 ticket,
                 n,
-                admit_us = (started - admitted).as_micros() as u64,
+                admit_us = admitted.elapsed().as_micros() as u64,
                 resident_us,
-                "GPU restore of pinned T1 groups started"
+                "GPU restore of pinned T1 groups by the kernel"
             );
-            self.ctl.gpu.then(Box::new(move || {
-                let r = copy.finish();
-                drop(pins);
-                s.complete(Command::Restore, ticket, started, copy_results(n, &r));
-            }));
+            self.release_after(ticket, n, pins, move || copy.finish());
             return Ok(reply);
         }
+        let resident_us = checked.elapsed().as_micros() as u64;
+        let mut copy = self.ctl.gpu.restore(n, gb, stride, n, None).map_err(fail)?;
+        let (ticket, reply) = self.gpu_ticket(copy.event());
+        let s = self.clone();
         let started = Instant::now();
         tracing::debug!(
             ticket,
@@ -224,17 +213,39 @@ impl Session {
         Ok(reply)
     }
 
-    /// A restore of pinned T1 groups (at `addrs`) on the copy engines,
-    /// when the copy mode picks them: enqueued on the fd's lane, with the
-    /// ticket, its copy and the reply; None when the kernel should copy.
-    #[allow(clippy::type_complexity)]
-    fn copy_on_engines(
+    /// A new ticket of a GPU restore and its reply, which carries the
+    /// ticket's IPC event (kept for the ticket until it is collected).
+    fn gpu_ticket(&self, event: &Arc<PooledEvent>) -> (u64, Reply) {
+        let ticket = self.new_ticket();
+        let mut reply = Reply::ok(Command::Restore, ticket);
+        reply.message = format!("ipc_event={}", event.handle_hex());
+        self.st.lock().events.insert(ticket, event.clone());
+        (ticket, reply)
+    }
+
+    /// Completes a restore of pinned T1 groups on the engine's completion
+    /// thread: waits for its copy (`finish`), then unpins. No executor
+    /// thread is involved, so a writer waiting on an executor for these
+    /// slots cannot hold up their release.
+    fn release_after(
         self: &Arc<Session>,
-        work: &Batch,
-        addrs: &[u64],
-        gb: usize,
-        admitted: Instant,
-    ) -> Option<Result<(u64, DirectRestore, Reply), Rejection>> {
+        ticket: u64,
+        n: usize,
+        pins: DevicePins,
+        finish: impl FnOnce() -> Result<(), String> + Send + 'static,
+    ) {
+        let s = self.clone();
+        let started = Instant::now();
+        self.ctl.gpu.then(Box::new(move || {
+            let r = finish();
+            drop(pins);
+            s.complete(Command::Restore, ticket, started, copy_results(n, &r));
+        }));
+    }
+
+    /// The runs of a restore of pinned T1 groups (at `addrs`) when the
+    /// copy mode puts it on the copy engines; None when the kernel copies.
+    fn engine_runs(&self, work: &Batch, addrs: &[u64], gb: usize) -> Option<Runs> {
         let mode = copy_mode();
         if mode == CopyMode::Kernel || !self.ctl.gpu.has_copy_engines() {
             return None;
@@ -246,31 +257,7 @@ impl Session {
         if mode == CopyMode::Auto && runs.len() * ENGINE_RUN_BYTES > runs.copies() * gb {
             return None;
         }
-        let n_runs = runs.len();
-        let mut lane = self.lane.lock();
-        let copy = match self.ctl.gpu.copy_runs(runs, &mut lane) {
-            Ok(c) => c,
-            Err(e) => {
-                return Some(Err(reject(
-                    libc::EIO,
-                    NO_ENTRY,
-                    format!("cannot start the GPU restore: {e}"),
-                )));
-            }
-        };
-        drop(lane);
-        let ticket = self.new_ticket();
-        let mut reply = Reply::ok(Command::Restore, ticket);
-        reply.message = format!("ipc_event={}", copy.event().handle_hex());
-        self.st.lock().events.insert(ticket, copy.event().clone());
-        tracing::debug!(
-            ticket,
-            n = work.len(),
-            runs = n_runs,
-            admit_us = admitted.elapsed().as_micros() as u64,
-            "GPU restore of pinned T1 groups on the copy engines"
-        );
-        Some(Ok((ticket, copy, reply)))
+        Some(runs)
     }
 
     /// A STORE from CUDA regions, at most a chunk of the engine's staging
