@@ -199,10 +199,6 @@ impl IoEntry {
             pitch: 0,
         }
     }
-
-    pub fn is_strided(&self) -> bool {
-        self.row_bytes != 0
-    }
 }
 
 /// A key as sent: not yet checked against the geometry (kind may be bad).
