@@ -12,23 +12,9 @@ use kvfs::control::wire::{self, Request};
 use kvfs::geometry::{GroupKey, Kind};
 use std::fs;
 
-/// 2 layers × 8 blocks × 2 heads × {K,V}, groups of 16 tokens × 64 × bf16
-/// = 2 KiB: 16 rows of 128 bytes in the engine's layout.
-const GEOMETRY: &[&str] = &[
-    "--layers",
-    "2",
-    "--blocks",
-    "8",
-    "--kv-heads",
-    "2",
-    "--head-dim",
-    "64",
-    "--block-tokens",
-    "16",
-    "--dtype",
-    "bf16",
-];
-const GB: usize = 2048;
+// The harness's default mount: 2 layers × 8 blocks × 2 heads × {K,V},
+// groups (GB) of 16 tokens × 64 × bf16 = 2 KiB: 16 rows of 128 bytes in
+// the engine's layout.
 const ROW: u32 = 128; // one token's K (or V) of one head
 const PITCH: u64 = 256; // one token's K and V
 const SLICE: u64 = 16 * PITCH; // a (block, head): block_tokens rows of K|V
@@ -70,7 +56,7 @@ fn gathered(layout: &[u8], e: &Strided) -> Vec<u8> {
 /// A mount, a client, and a host region (registered) holding layer 0 of
 /// the engine's cache, filled with `pattern(seed)`.
 fn engine_layer(seed: u64) -> (Mount, Client, ShmRegion, u32) {
-    let m = Mount::new(GEOMETRY);
+    let m = Mount::new(&[]);
     let c = Client::open(&m.mp).unwrap();
     let len = 8 * 2 * SLICE;
     let src = ShmRegion::new(len);
@@ -179,12 +165,8 @@ fn bad_strided_entries_are_refused_and_nothing_changes() {
     if !can_mount() {
         return;
     }
-    let m = Mount::new(GEOMETRY);
-    let c = Client::open(&m.mp).unwrap();
-    let len = 8 * 2 * SLICE;
-    let reg = ShmRegion::new(len);
-    reg.write(0, &pattern(3, len as usize));
-    let r = c.register_host_region(&reg.path(), reg.len).unwrap();
+    let (m, c, reg, r) = engine_layer(3);
+    let len = reg.len;
     let good = entry(r, 0, 0, Kind::K);
     let cases: Vec<(&str, Vec<Strided>, i32, &str)> = vec![
         (
