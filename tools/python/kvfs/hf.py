@@ -463,9 +463,7 @@ class KvfsCache(Cache):
         if self.last is not None and self.last != layer:
             # The previous layer's attention has been enqueued: after this
             # event its slot may be reused.
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            self.pending[self.last] = ev
+            self.pending[self.last] = _recorded(stream)
         self.last = layer
         n = key_states.shape[-2]
         lo, hi = self.seq_len[layer], self.seq_len[layer] + n
