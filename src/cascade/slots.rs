@@ -223,29 +223,17 @@ impl Cascade {
         // Pin first, then lock in ascending slot order, each slot once: every
         // holder of several slot locks (this, sync_all) takes them in that
         // order, so waits cannot form a cycle even with queued writers.
-        // Slots and indexes as plain u32 pairs: a batch of 4096 costs tens
-        // of microseconds here, and every byte moved counts.
-        let mut pinned: Vec<(u32, u32)> = Vec::with_capacity(groups.len());
-        {
-            let mut st = self.state.lock();
-            for (i, g) in groups.iter().enumerate() {
-                let Some(&s) = st.map.get(g) else { continue };
-                self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
-                if st.slot_state[s.0 as usize] == SlotState::Resident {
-                    st.policy.touch(s);
-                }
-                pinned.push((s.0, i as u32));
-            }
-        }
-        pinned.sort_unstable();
+        let mut pins = self
+            .pin_mapped(groups, false)
+            .expect("only a batch that must be all in T1 gives up");
         let mut addrs = vec![None; groups.len()];
-        let mut locked: Vec<u32> = Vec::with_capacity(pinned.len());
         let mut hits = 0;
-        for &(s, i) in &pinned {
-            if locked.last() != Some(&s) {
+        for k in 0..pins.pinned.len() {
+            let (s, i) = pins.pinned[k];
+            if pins.locked.last() != Some(&s) {
                 // Released by DevicePins::drop.
                 std::mem::forget(self.slot_locks[s as usize].read());
-                locked.push(s);
+                pins.locked.push(s);
             }
             if self.holds(SlotId(s), groups[i as usize])
                 && let Some(d) = self.slot_device_ptr(SlotId(s))
@@ -254,19 +242,51 @@ impl Cascade {
                 hits += 1;
             }
         }
-        // Once per batch: these counters are shared by every thread.
+        self.count_device_hits(hits);
+        (addrs, pins)
+    }
+
+    /// Pins the T1 slots of `groups` under one acquisition of the state
+    /// lock: a guard holding no slot lock yet, its pins sorted by slot.
+    /// With `all`, None (nothing held) as soon as a group is not in T1;
+    /// otherwise groups not in T1 are left out. Slots and indexes as plain
+    /// u32 pairs: a batch of 4096 costs tens of microseconds here, and
+    /// every byte moved counts.
+    fn pin_mapped(self: &Arc<Self>, groups: &[GroupIndex], all: bool) -> Option<DevicePins> {
+        let mut pins = DevicePins {
+            c: self.clone(),
+            locked: Vec::new(),
+            pinned: Vec::with_capacity(groups.len()),
+        };
+        {
+            let mut st = self.state.lock();
+            for (i, g) in groups.iter().enumerate() {
+                let Some(&s) = st.map.get(g) else {
+                    if all {
+                        // Dropping `pins` unpins what was pinned.
+                        return None;
+                    }
+                    continue;
+                };
+                self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+                if st.slot_state[s.0 as usize] == SlotState::Resident {
+                    st.policy.touch(s);
+                }
+                pins.pinned.push((s.0, i as u32));
+            }
+        }
+        pins.pinned.sort_unstable();
+        pins.locked.reserve(pins.pinned.len());
+        Some(pins)
+    }
+
+    /// Counts T1 hits of device copies, once per batch: these counters are
+    /// shared by every thread.
+    fn count_device_hits(&self, hits: u64) {
         self.counters.hits.fetch_add(hits, Ordering::Relaxed);
         self.counters
             .t1_read_bytes
             .fetch_add(hits * self.layout.group_bytes(), Ordering::Relaxed);
-        (
-            addrs,
-            DevicePins {
-                c: self.clone(),
-                locked,
-                pinned,
-            },
-        )
     }
 
     /// `pin_for_device` for a batch that is all in T1, taken on admission:
@@ -279,24 +299,7 @@ impl Cascade {
         self: &Arc<Self>,
         groups: &[GroupIndex],
     ) -> Option<(Vec<u64>, DevicePins)> {
-        let mut pins = DevicePins {
-            c: self.clone(),
-            locked: Vec::new(),
-            pinned: Vec::with_capacity(groups.len()),
-        };
-        {
-            let mut st = self.state.lock();
-            for (i, g) in groups.iter().enumerate() {
-                // A miss drops `pins`, which unpins what was pinned.
-                let &s = st.map.get(g)?;
-                self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
-                if st.slot_state[s.0 as usize] == SlotState::Resident {
-                    st.policy.touch(s);
-                }
-                pins.pinned.push((s.0, i as u32));
-            }
-        }
-        pins.pinned.sort_unstable();
+        let mut pins = self.pin_mapped(groups, true)?;
         let mut addrs = vec![0u64; groups.len()];
         for k in 0..pins.pinned.len() {
             let (s, i) = pins.pinned[k];
@@ -310,11 +313,7 @@ impl Cascade {
             }
             addrs[i as usize] = self.slot_device_ptr(SlotId(s))?;
         }
-        let n = groups.len() as u64;
-        self.counters.hits.fetch_add(n, Ordering::Relaxed);
-        self.counters
-            .t1_read_bytes
-            .fetch_add(n * self.layout.group_bytes(), Ordering::Relaxed);
+        self.count_device_hits(groups.len() as u64);
         Some((addrs, pins))
     }
 }
