@@ -2,6 +2,7 @@
 
     python3 tools/gpu_e2e.py MOUNT [--batch 1024] [--inflight 4] [--rounds 32]
     python3 tools/gpu_e2e.py MOUNT --guard      # a mount with a 2-slot T1
+    python3 tools/gpu_e2e.py MOUNT --row 256    # strided: rows of 256 B, pitch 512
 
 Correctness: store random groups from a GPU tensor, overwrite the tensor,
 restore, and compare bit for bit, with a torch stream that waits on the
@@ -50,6 +51,77 @@ def keys_of(layout, n, start=0):
         layer = j // blocks
         out.append((layer, block, head, kind))
     return out
+
+
+class Place:
+    """Where group i of a batch lies in its tensor: contiguous at i x gb,
+    or (--row R) as gb/R rows of R bytes `pitch` apart, pitch/R groups'
+    rows interleaved (pitch 2R: K and V of a head side by side, as in
+    vLLM's layout). Either way a batch of n groups fills n x gb bytes."""
+
+    def __init__(self, gb, row=0, pitch=0):
+        self.gb, self.row = gb, row
+        self.pitch = pitch or 2 * row
+        if row and (gb % row or self.pitch % row or self.pitch < row):
+            raise SystemExit(f"--row {row} --pitch {self.pitch}: rows must divide the {gb}-byte group "
+                             "and the pitch be a multiple of the row")
+        self.k = self.pitch // row if row else 1
+
+    def entry(self, key, region, i):
+        if not self.row:
+            return key + (region, i * self.gb)
+        p, lane = divmod(i, self.k)
+        return key + (region, p * self.k * self.gb + lane * self.row, self.row, self.pitch)
+
+    def gather(self, t, n):
+        """The groups of a batch of n in tensor t (so placed), in order."""
+        if not self.row:
+            return t[:n * self.gb].view(n, self.gb)
+        rows = self.gb // self.row
+        return t[:n * self.gb].view(n // self.k, rows, self.k, self.row).transpose(1, 2).reshape(n, self.gb)
+
+    def __str__(self):
+        return (f"{self.gb // self.row} rows of {self.row} B at pitch {self.pitch}" if self.row
+                else "contiguous")
+
+
+def correctness_strided(kv, gb, dev, place):
+    """Groups stored contiguously, restored strided (reverse order), stored
+    back strided from there into other groups, and read back: bit-identical."""
+    n = 256 - 256 % place.k
+    data = torch.randint(0, 256, (n * gb,), dtype=torch.uint8, device=dev)
+    region = kv.register_tensor(data)
+    keys = keys_of(kv.layout, 2 * n)
+    torch.cuda.synchronize()
+    kv.store([k + (region, i * gb) for i, k in enumerate(keys[:n])])
+    back = torch.zeros(n * gb, dtype=torch.uint8, device=dev)
+    r2 = kv.register_tensor(back)
+    kv.restore([place.entry(k, r2, n - 1 - i) for i, k in enumerate(keys[:n])])
+    torch.cuda.synchronize()
+    assert torch.equal(place.gather(back, n).flip(0), data.view(n, gb)), "a strided restore moved bytes"
+    kv.store([place.entry(k, r2, n - 1 - i) for i, k in enumerate(keys[n:])])
+    data.zero_()
+    torch.cuda.synchronize()
+    kv.restore([k + (region, i * gb) for i, k in enumerate(keys[n:])])
+    torch.cuda.synchronize()
+    assert torch.equal(data.view(n, gb), place.gather(back, n).flip(0)), "a strided store moved bytes"
+    # One batch of two shapes (strided and contiguous entries): the daemon
+    # moves it in pieces of the largest size dividing both.
+    h = n // 2 - (n // 2) % place.k
+    back.zero_()
+    flat = torch.zeros(n * gb, dtype=torch.uint8, device=dev)
+    r3 = kv.register_tensor(flat)
+    torch.cuda.synchronize()
+    kv.restore([place.entry(k, r2, i) if i < h else k + (r3, (i - h) * gb) for i, k in enumerate(keys[n:])])
+    torch.cuda.synchronize()
+    want = data.view(n, gb)
+    assert torch.equal(place.gather(back, h), want[:h]) and torch.equal(flat[:(n - h) * gb].view(-1, gb), want[h:]), \
+        "a restore of strided and contiguous entries in one batch moved bytes"
+    kv.unregister(region)
+    kv.unregister(r2)
+    kv.unregister(r3)
+    print(f"correctness: {n} groups restored into and stored from GPU memory as {place}, and a batch "
+          "mixing that shape with contiguous entries, bit-identical")
 
 
 def correctness(kv, gb, dev):
@@ -111,7 +183,7 @@ def timed(fn):
     return time.perf_counter() - t0
 
 
-def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None):
+def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None):
     layout = kv.layout
     t1_groups = layout["t1_slots"]
     hot = min(batch * 2, t1_groups // 2)
@@ -130,7 +202,7 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None):
 
     def entries():
         pick = torch.randperm(hot, generator=g)[:batch].tolist()
-        return [keys[p] + (rd, i * gb) for i, p in enumerate(pick)]
+        return [place.entry(keys[p], rd, i) for i, p in enumerate(pick)]
 
     # Encoded once, outside the timed runs: the figure is kvfs's, not the
     # time Python takes to pack 1024 entries.
@@ -187,7 +259,7 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None):
     def store_entries():
         pick = torch.randperm(hot, generator=g)[:batch].tolist()
         src_at = torch.randperm(hot, generator=g)[:batch].tolist()
-        return [keys[p] + (rs, q * gb) for p, q in zip(pick, src_at)]
+        return [place.entry(keys[p], rs, q) for p, q in zip(pick, src_at)]
 
     sbatches = [kv.encode_entries(store_entries()) for _ in range(rounds)]
 
@@ -214,7 +286,7 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None):
         fresh_runs = []
         for rep in range(reps):
             ks = keys_of(layout, new_rounds * batch, start=hot + rep * new_rounds * batch)
-            fresh_runs.append([kv.encode_entries([k + (rs, q * gb) for k, q in zip(
+            fresh_runs.append([kv.encode_entries([place.entry(k, rs, q) for k, q in zip(
                 ks[r * batch:(r + 1) * batch], torch.randperm(hot, generator=g)[:batch].tolist())])
                 for r in range(new_rounds)])
         t_new = statistics.median(timed(lambda: store_pipelined(runs)) for runs in fresh_runs)
@@ -238,7 +310,7 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None):
     t_big_d2h = median(lambda: host.copy_(big, non_blocking=True))
     gbps = lambda t: total / t / 1e9  # noqa: E731
     base = gbps(t_big)
-    print(f"bandwidth (medians of {reps} runs), {gb >> 10} KiB groups, batches of {batch}, {rounds} batches ({total / 2**20:.0f} MiB), "
+    print(f"bandwidth (medians of {reps} runs), {gb >> 10} KiB groups ({place} in GPU memory), batches of {batch}, {rounds} batches ({total / 2**20:.0f} MiB), "
           f"{resident}/{hot} source groups T1-resident:")
     print(f"  one large pinned H2D copy (baseline)   {base:7.2f} GB/s")
     print(f"  kvfs restore, {inflight} tickets in flight       {gbps(t_pipe):7.2f} GB/s  ({gbps(t_pipe) / base:.2f} of baseline)")
@@ -312,6 +384,9 @@ def main():
     ap.add_argument("--trace", help="write each RESTORE call's ticket and wall-clock start and end here")
     ap.add_argument("--guard", action="store_true")
     ap.add_argument("--target", type=float, default=0.0, help="fail if pipelined/baseline is below this")
+    ap.add_argument("--row", type=int, default=0,
+                    help="strided entries: each group as rows of this many bytes in GPU memory (0: contiguous)")
+    ap.add_argument("--pitch", type=int, default=0, help="bytes from one row to the next (default 2 x --row)")
     a = ap.parse_args()
     dev = torch.device("cuda", 0)
     with Kvfs(a.mount) as kv:
@@ -319,8 +394,14 @@ def main():
         if a.guard:
             guard(kv, gb, dev)
             return
-        correctness(kv, gb, dev)
-        ratio = bandwidth(kv, gb, dev, a.batch, a.inflight, a.rounds, a.reps, a.trace)
+        place = Place(gb, a.row, a.pitch)
+        if a.batch % place.k:
+            raise SystemExit(f"--batch must be a multiple of {place.k} (groups interleaved at that pitch)")
+        if a.row:
+            correctness_strided(kv, gb, dev, place)
+        else:
+            correctness(kv, gb, dev)
+        ratio = bandwidth(kv, gb, dev, a.batch, a.inflight, a.rounds, a.reps, a.trace, place)
         if ratio < a.target:
             print(f"BELOW TARGET: {ratio:.2f} < {a.target}")
             sys.exit(1)

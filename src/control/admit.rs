@@ -208,12 +208,12 @@ impl Session {
                     ),
                 ));
             }
-            if row_bytes != 0 && r.mask != 0 {
+            if row_bytes != 0 && r.mask != 0 && !(row_bytes as u64 | pitch).is_multiple_of(16) {
                 return Err(reject(
-                    libc::EOPNOTSUPP,
+                    libc::EINVAL,
                     i as u32,
                     format!(
-                        "entry {i}: strided entries into or out of GPU memory are not supported yet (host regions only)"
+                        "entry {i}: rows in CUDA memory need a row size and a pitch that are multiples of 16 bytes (rows of {row_bytes} bytes, pitch {pitch})"
                     ),
                 ));
             }

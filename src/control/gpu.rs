@@ -13,13 +13,14 @@
 //! T1 slots the kernel may write straight into (groups new to T1, or in it
 //! and clean); the rest land in staging and are written into T1 after.
 
-use super::admit::Batch;
+use super::admit::{Batch, Item};
 use super::session::Session;
 use super::wire::{Command, NO_ENTRY, Reply};
 use super::{Rejection, reject};
 use crate::cascade::CascadeError;
 use crate::cascade::DevicePins;
 use crate::geometry::GroupIndex;
+use crate::gpu::cuda::Rows;
 use crate::gpu::engine::{Descriptor, PooledEvent, Runs};
 use std::sync::Arc;
 use std::time::Instant;
@@ -68,6 +69,107 @@ fn copy_results(n: usize, r: &Result<(), String>) -> Vec<Result<(), CascadeError
         .collect()
 }
 
+/// How a batch's groups move: as one copy each (contiguous entries, or
+/// entries all of one row shape, which the rows kernel lays out), or, for a
+/// mix of shapes, as pieces of `unit` bytes, the largest size dividing
+/// every entry's row (a contiguous entry is one row of `gb`).
+#[derive(Clone, Copy)]
+struct Shape {
+    /// Copies a group (`gb / unit`).
+    per: usize,
+    unit: u64,
+    /// Every entry's (row, pitch), for the rows kernel (per 1).
+    rows: Option<(u64, u64)>,
+}
+
+impl Shape {
+    fn of(work: &Batch, gb: u64) -> Shape {
+        fn gcd(a: u64, b: u64) -> u64 {
+            if b == 0 { a } else { gcd(b, a % b) }
+        }
+        let first = work.items.first().map(|it| (it.row_bytes, it.pitch));
+        let uniform = work
+            .items
+            .iter()
+            .all(|it| Some((it.row_bytes, it.pitch)) == first);
+        match first {
+            Some((r, pitch)) if uniform && r != 0 => Shape {
+                per: 1,
+                unit: gb,
+                rows: Some((r as u64, pitch)),
+            },
+            _ => {
+                let unit = work.items.iter().fold(gb, |u, it| gcd(u, it.rows(gb).0));
+                Shape {
+                    per: (gb / unit) as usize,
+                    unit,
+                    rows: None,
+                }
+            }
+        }
+    }
+
+    /// What `pieces` makes: None (a copy a group, from the entry's
+    /// offset) for the rows kernel, else pieces of `unit`.
+    fn piece(&self) -> Option<u64> {
+        self.rows.is_none().then_some(self.unit)
+    }
+
+    /// The rows kernel's shape (rows on the destination for a restore).
+    fn kernel_rows(&self, restore: bool) -> Option<Rows> {
+        self.rows.map(|(row, pitch)| Rows {
+            row,
+            pitch,
+            strided_dst: restore,
+        })
+    }
+
+    /// Piece size for the copy engines, whose copies are contiguous.
+    fn engine_unit(&self) -> u64 {
+        self.rows.map_or(self.unit, |(row, _)| row)
+    }
+}
+
+/// The copies of `unit` bytes of `items` (of `work`) in order (entry by
+/// entry, row by row; None: one a group): between `slot(i)`, entry i's contiguous slot (T1 or staging; 0
+/// skips the entry), and its rows in the region; from the slot with
+/// `to_region`, into it otherwise (a store).
+fn pieces<'a>(
+    work: &'a Batch,
+    items: &'a [Item],
+    gb: u64,
+    unit: Option<u64>,
+    slot: impl Fn(usize) -> u64 + 'a,
+    to_region: bool,
+) -> impl Iterator<Item = Descriptor> + 'a {
+    items.iter().enumerate().flat_map(move |(i, it)| {
+        let s = slot(i);
+        let r = work.region(it).device_addr(it.offset).unwrap_or(0);
+        // None: one copy from the entry's offset (the kernel lays out rows).
+        let (unit, (row, pitch, rows)) = match unit {
+            Some(u) => (u, it.rows(gb)),
+            None => (gb, (gb, gb, 1)),
+        };
+        let per_row = row / unit;
+        (0..rows).flat_map(move |k| {
+            (0..per_row).map(move |m| {
+                let (at_slot, at_region) = (s + k * row + m * unit, r + k * pitch + m * unit);
+                match (s, to_region) {
+                    (0, _) => Descriptor { src: 0, dst: 0 },
+                    (_, true) => Descriptor {
+                        src: at_slot,
+                        dst: at_region,
+                    },
+                    (_, false) => Descriptor {
+                        src: at_region,
+                        dst: at_slot,
+                    },
+                }
+            })
+        })
+    })
+}
+
 fn no_driver() -> Rejection {
     reject(libc::ENODEV, NO_ENTRY, "no CUDA driver")
 }
@@ -86,6 +188,9 @@ impl Session {
         let n = work.len();
         let layout = self.ctl.cascade.layout();
         let (gb, stride) = (layout.group_bytes(), layout.stride() as usize);
+        // Strided entries: by the rows kernel, or in pieces (see Shape).
+        let shape = Shape::of(&work, gb);
+        let (per, unit) = (shape.per, shape.unit);
         let fail = |e: String| {
             reject(
                 libc::EIO,
@@ -106,7 +211,7 @@ impl Session {
         };
         if let Some((addrs, pins)) = pinned {
             let resident_us = checked.elapsed().as_micros() as u64;
-            if let Some(runs) = self.engine_runs(&work, &addrs, gb as usize) {
+            if let Some(runs) = self.engine_runs(&work, &addrs, gb, shape.engine_unit()) {
                 let n_runs = runs.len();
                 let copy = self
                     .ctl
@@ -129,16 +234,24 @@ impl Session {
             let mut copy = self
                 .ctl
                 .gpu
-                .restore(n, gb, stride, 0, Some(&mut lane))
+                .restore(
+                    n * per,
+                    unit,
+                    stride,
+                    0,
+                    shape.kernel_rows(true),
+                    Some(&mut lane),
+                )
                 .map_err(fail)?;
             let (ticket, reply) = self.gpu_ticket(copy.event());
-            copy.describe(|i| {
-                let it = &work.items[i];
-                Descriptor {
-                    src: addrs[i],
-                    dst: work.region(it).device_addr(it.offset).unwrap_or(0),
-                }
-            });
+            copy.describe(pieces(
+                &work,
+                &work.items,
+                gb,
+                shape.piece(),
+                |i| addrs[i],
+                true,
+            ));
             copy.start();
             drop(lane);
             tracing::debug!(
@@ -152,7 +265,11 @@ impl Session {
             return Ok(reply);
         }
         let resident_us = checked.elapsed().as_micros() as u64;
-        let mut copy = self.ctl.gpu.restore(n, gb, stride, n, None).map_err(fail)?;
+        let mut copy = self
+            .ctl
+            .gpu
+            .restore(n * per, unit, stride, n, shape.kernel_rows(true), None)
+            .map_err(fail)?;
         let (ticket, reply) = self.gpu_ticket(copy.event());
         let s = self.clone();
         let started = Instant::now();
@@ -196,13 +313,8 @@ impl Session {
                 }
                 let misses = misses.len();
                 let pin_us = job_started.elapsed().as_micros() as u64;
-                copy.describe(|i| {
-                    let it = &work.items[i];
-                    Descriptor {
-                        src: if results[i].is_ok() { src[i] } else { 0 },
-                        dst: work.region(it).device_addr(it.offset).unwrap_or(0),
-                    }
-                });
+                let ok = |i: usize| if results[i].is_ok() { src[i] } else { 0 };
+                copy.describe(pieces(&work, &work.items, gb, shape.piece(), ok, true));
                 tracing::debug!(
                     ticket,
                     misses,
@@ -257,17 +369,24 @@ impl Session {
 
     /// The runs of a restore of pinned T1 groups (at `addrs`) when the
     /// copy mode puts it on the copy engines; None when the kernel copies.
-    fn engine_runs(&self, work: &Batch, addrs: &[u64], gb: usize) -> Option<Runs> {
+    /// (copies of `unit` bytes; see Shape).
+    fn engine_runs(&self, work: &Batch, addrs: &[u64], gb: u64, unit: u64) -> Option<Runs> {
         let mode = copy_mode();
         if mode == CopyMode::Kernel || !self.ctl.gpu.has_copy_engines() {
             return None;
         }
+        // Auto: as soon as the runs are too many for ENGINE_RUN_BYTES on
+        // average, the kernel copies (rows that do not join stop this early).
+        let most = match mode {
+            CopyMode::Auto => (work.len() * gb as usize).div_ceil(ENGINE_RUN_BYTES),
+            _ => usize::MAX,
+        };
         let mut runs = Runs::default();
-        for (it, &src) in work.items.iter().zip(addrs) {
-            runs.push(src, work.region(it).device_addr(it.offset)?, gb);
-        }
-        if mode == CopyMode::Auto && runs.len() * ENGINE_RUN_BYTES > runs.copies() * gb {
-            return None;
+        for p in pieces(work, &work.items, gb, Some(unit), |i| addrs[i], true) {
+            runs.push(p.src, p.dst, unit as usize);
+            if p.dst == 0 || runs.len() > most {
+                return None;
+            }
         }
         Some(runs)
     }
@@ -279,13 +398,18 @@ impl Session {
         crate::gpu::cuda::cuda().ok_or_else(no_driver)?;
         let layout = self.ctl.cascade.layout();
         let (gb, stride) = (layout.group_bytes(), layout.stride() as usize);
-        let mut copy = self.ctl.gpu.store(work.len(), gb, stride).map_err(|e| {
-            reject(
-                libc::EIO,
-                NO_ENTRY,
-                format!("cannot start the GPU store: {e}"),
-            )
-        })?;
+        let shape = Shape::of(&work, gb);
+        let mut copy = self
+            .ctl
+            .gpu
+            .store(work.len(), gb, stride, shape.unit, shape.kernel_rows(false))
+            .map_err(|e| {
+                reject(
+                    libc::EIO,
+                    NO_ENTRY,
+                    format!("cannot start the GPU store: {e}"),
+                )
+            })?;
         let chunk = copy.chunk();
         let ticket = self.new_ticket();
         let s = self.clone();
@@ -311,14 +435,9 @@ impl Session {
                         .collect();
                     // Admission made every region of a CUDA batch a CUDA
                     // region and checked offset + group_bytes inside it.
-                    let descs: Vec<Descriptor> = items
-                        .iter()
-                        .enumerate()
-                        .map(|(i, it)| Descriptor {
-                            src: work.region(it).device_addr(it.offset).unwrap_or(0),
-                            dst: direct[i].unwrap_or(copy.staging_addr(i)),
-                        })
-                        .collect();
+                    let at = |i: usize| direct[i].unwrap_or(copy.staging_addr(i));
+                    let descs: Vec<Descriptor> =
+                        pieces(&work, items, gb, shape.piece(), at, false).collect();
                     // SAFETY: every descriptor names a checked range of a
                     // live CUDA region (the batch holds it) and either a
                     // staging slot or a T1 slot write-locked in `slots`

@@ -170,6 +170,16 @@ impl Cuda {
     }
 }
 
+/// One side of each copy of a gather laid out as rows: `row` bytes (a
+/// multiple of 16 dividing the copy), `pitch` bytes apart; the destination
+/// with `strided_dst`, else the source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rows {
+    pub row: u64,
+    pub pitch: u64,
+    pub strided_dst: bool,
+}
+
 /// The gather kernel, shipped as PTX text (source: kernels/gather.cu).
 const GATHER_PTX: &str = concat!(include_str!("kernels/gather.ptx"), "\0");
 /// Threads per gather block, and 16-byte words each thread copies
@@ -218,7 +228,8 @@ struct Kernel(sys::CUfunction);
 unsafe impl Send for Kernel {}
 // SAFETY: as for Send.
 unsafe impl Sync for Kernel {}
-static GATHER: OnceLock<Result<Kernel, String>> = OnceLock::new();
+/// kvfs_gather and kvfs_gather_rows, loaded once.
+static GATHER: OnceLock<Result<[Kernel; 2], String>> = OnceLock::new();
 
 impl Cuda {
     /// Opens a CUDA IPC memory handle; returns the allocation's base address
@@ -297,7 +308,8 @@ impl Cuda {
         Ok(IpcEvent { ev, handle })
     }
 
-    fn gather(&self) -> Result<sys::CUfunction, String> {
+    /// The gather kernel: for contiguous copies, or (`rows`) for rows.
+    fn gather(&self, rows: bool) -> Result<sys::CUfunction, String> {
         GATHER
             .get_or_init(|| {
                 self.bind()?;
@@ -305,14 +317,16 @@ impl Cuda {
                 // SAFETY: GATHER_PTX is NUL-terminated PTX text.
                 let r = unsafe { sys::cuModuleLoadData(&mut m, GATHER_PTX.as_ptr().cast()) };
                 check(r, "cuModuleLoadData")?;
-                let mut f = std::ptr::null_mut();
-                // SAFETY: m is the loaded module; the name is NUL-terminated.
-                let r = unsafe { sys::cuModuleGetFunction(&mut f, m, c"kvfs_gather".as_ptr()) };
-                check(r, "cuModuleGetFunction")?;
-                Ok(Kernel(f))
+                let get = |name: &std::ffi::CStr| {
+                    let mut f = std::ptr::null_mut();
+                    // SAFETY: m is the loaded module; the name is NUL-terminated.
+                    let r = unsafe { sys::cuModuleGetFunction(&mut f, m, name.as_ptr()) };
+                    check(r, "cuModuleGetFunction").map(|()| Kernel(f))
+                };
+                Ok([get(c"kvfs_gather")?, get(c"kvfs_gather_rows")?])
             })
             .as_ref()
-            .map(|k| k.0)
+            .map(|k| k[rows as usize].0)
             .map_err(Clone::clone)
     }
 
@@ -323,11 +337,14 @@ impl Cuda {
     /// across PCIe); gather `bytes` per descriptor; record `event`. The
     /// host fills the descriptors, then sets `ready`.
     ///
+    /// With `rows`, one side of every descriptor is rows (see `Rows`).
+    ///
     /// # Safety
     /// `ready` and `descs` (pinned, `ready` device-mapped) and `staged` (at
     /// least 16 × n bytes) stay alive until `event` completes; every
     /// descriptor written before `ready` is set names `bytes` readable and
-    /// writable device-visible bytes, 16-byte aligned.
+    /// writable device-visible bytes (laid out as `rows` on its strided
+    /// side), 16-byte aligned.
     #[expect(clippy::too_many_arguments, reason = "one enqueue, all its parts")]
     pub unsafe fn enqueue_gather(
         &self,
@@ -337,6 +354,7 @@ impl Cuda {
         staged: &DeviceBuf,
         n: u32,
         bytes: u64,
+        rows: Option<Rows>,
         event: &IpcEvent,
     ) -> Result<(), String> {
         if staged.len() < 16 * n as usize {
@@ -346,7 +364,7 @@ impl Cuda {
             ));
         }
         self.bind()?;
-        let f = self.gather()?;
+        let f = self.gather(rows.is_some())?;
         // SAFETY: ready is mapped pinned memory (caller's contract).
         let r = unsafe {
             sys::cuStreamWaitValue32_v2(
@@ -369,13 +387,23 @@ impl Cuda {
             let blocks = u32::try_from(blocks)
                 .map_err(|_| format!("{n} groups of {bytes} bytes: too many for one launch"))?;
             let (mut a, mut b, mut c) = (staged.ptr, n, bytes);
-            let mut params: [*mut std::ffi::c_void; 3] = [
+            let r = rows.unwrap_or(Rows {
+                row: bytes,
+                pitch: bytes,
+                strided_dst: false,
+            });
+            let (mut d, mut e, mut g) = (r.row, r.pitch, r.strided_dst as u32);
+            let mut params: [*mut std::ffi::c_void; 6] = [
                 (&mut a as *mut u64).cast(),
                 (&mut b as *mut u32).cast(),
                 (&mut c as *mut u64).cast(),
+                (&mut d as *mut u64).cast(),
+                (&mut e as *mut u64).cast(),
+                (&mut g as *mut u32).cast(),
             ];
-            // SAFETY: the kernel's parameters are (u64, u32, u64) as passed;
-            // the descriptors' validity is the caller's contract.
+            // SAFETY: kvfs_gather's parameters are (u64, u32, u64) as
+            // passed (the rest unread), kvfs_gather_rows's all six; the
+            // descriptors' validity is the caller's contract.
             let r = unsafe {
                 sys::cuLaunchKernel(
                     f,

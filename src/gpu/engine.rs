@@ -18,11 +18,11 @@
 //! a time and waits for each. Nothing here knows of the cascade: pins and
 //! slot claims are the caller's, held until `finish`/`launch` return.
 //!
-//! Future copies (strided rows, copy-engine batches, several devices) go
-//! behind the same two calls.
+//! Strided entries arrive as more, smaller copies (a descriptor a row);
+//! several devices would go behind the same calls.
 
 use super::HostBuf;
-use super::cuda::{Cuda, DeviceBuf, IpcEvent, Stream};
+use super::cuda::{Cuda, DeviceBuf, IpcEvent, Rows, Stream};
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
@@ -287,8 +287,12 @@ pub struct Restore {
 pub struct Store {
     c: &'static Cuda,
     chunk: usize,
+    /// Copies a group (rows of `unit` bytes).
+    per: usize,
     stride: usize,
     bytes: u64,
+    unit: u64,
+    rows: Option<Rows>,
     table: Option<HostBuf>,
     table_dev: u64,
     staging: Option<HostBuf>,
@@ -331,7 +335,8 @@ impl Engine {
         }
     }
 
-    /// Enqueues a restore of `n` copies of `bytes` each: on `lane` (held
+    /// Enqueues a restore of `n` copies of `bytes` each (their
+    /// destinations laid out as `rows`, if given): on `lane` (held
     /// by the caller) or, with None, on a stream of its own that holds up
     /// no other ticket. `stride` ≥ bytes spaces its staging slots, of
     /// which there are `staging_slots` (0 when every source is already
@@ -345,6 +350,7 @@ impl Engine {
         bytes: u64,
         stride: usize,
         staging_slots: usize,
+        rows: Option<Rows>,
         lane: Option<&mut LaneGuard<'_>>,
     ) -> Result<Restore, String> {
         let c = driver()?;
@@ -400,27 +406,38 @@ impl Engine {
                 r.staged.as_ref().expect("set above"),
                 n as u32,
                 bytes,
+                rows,
                 &r.event,
             )
         };
         e.map(|()| r)
     }
 
-    /// Takes what a store of `n` copies of `bytes` each needs: one chunk
-    /// of at most STORE_CHUNK bytes of staging (slots `stride` apart), its
+    /// Takes what a store of `n` groups of `bytes` each needs, each moved
+    /// as `bytes / unit` copies of `unit` bytes (pieces of rows), or as
+    /// one copy whose source is laid out as `rows`: one chunk of at
+    /// most STORE_CHUNK bytes of staging (slots `stride` apart), its
     /// table, event and stream. All memory is taken here, on admission
     /// (see `restore`); launches only enqueue and wait.
-    pub fn store(&self, n: usize, bytes: u64, stride: usize) -> Result<Store, String> {
+    pub fn store(
+        &self,
+        n: usize,
+        bytes: u64,
+        stride: usize,
+        unit: u64,
+        rows: Option<Rows>,
+    ) -> Result<Store, String> {
         let c = driver()?;
         let pool = &self.pool;
         let chunk = (STORE_CHUNK / stride).clamp(1, n.max(1));
-        let table = pool.take_table(chunk)?;
+        let per = (bytes / unit) as usize;
+        let table = pool.take_table(chunk * per)?;
         let table_dev = table
             .device_ptr()
             .ok_or("the descriptor table is not device-mapped")?;
         let staging = pool.take_staging(chunk * stride)?;
         let staging_dev = staging.device_ptr().ok_or("staging is not device-mapped")?;
-        let staged = pool.take_device(DESCRIPTOR_BYTES * chunk)?;
+        let staged = pool.take_device(DESCRIPTOR_BYTES * chunk * per)?;
         let event = pool.take_event()?;
         let stream = pool.take_stream()?;
         // Nothing to wait for: the descriptors are written before each launch.
@@ -428,8 +445,11 @@ impl Engine {
         Ok(Store {
             c,
             chunk,
+            per,
             stride,
             bytes,
+            unit,
+            rows,
             table: Some(table),
             table_dev,
             staging: Some(staging),
@@ -561,14 +581,18 @@ impl Restore {
         }
     }
 
-    /// Writes the `n` descriptors, `f(i)` the i-th.
-    pub fn describe(&mut self, mut f: impl FnMut(usize) -> Descriptor) {
+    /// Writes the `n` descriptors, in order (a shorter `descs` leaves the
+    /// rest skipped).
+    pub fn describe(&mut self, descs: impl Iterator<Item = Descriptor>) {
         let table = self.table.as_mut().expect("until finished");
-        let descs = &mut table.as_mut_slice()[FLAG_BYTES..FLAG_BYTES + DESCRIPTOR_BYTES * self.n];
-        for (i, d) in descs.chunks_exact_mut(DESCRIPTOR_BYTES).enumerate() {
-            let Descriptor { src, dst } = f(i);
+        let out = &mut table.as_mut_slice()[FLAG_BYTES..FLAG_BYTES + DESCRIPTOR_BYTES * self.n];
+        let mut slots = out.chunks_exact_mut(DESCRIPTOR_BYTES);
+        for (d, Descriptor { src, dst }) in slots.by_ref().zip(descs) {
             d[..8].copy_from_slice(&src.to_le_bytes());
             d[8..].copy_from_slice(&dst.to_le_bytes());
+        }
+        for d in slots {
+            d.fill(0);
         }
     }
 
@@ -626,16 +650,17 @@ impl Store {
         &s.as_slice()[i * self.stride..][..self.bytes as usize]
     }
 
-    /// Runs the copies `descs` (at most `chunk`) and waits for them.
+    /// Runs the copies `descs` (at most `chunk` groups' worth, of `unit`
+    /// bytes each) and waits for them.
     ///
     /// # Safety
-    /// Every descriptor names `bytes` readable device-visible bytes at
-    /// `src` and writable ones at `dst` (a staging slot, or memory the
+    /// Every descriptor names `unit` readable device-visible bytes at
+    /// `src` and writable ones at `dst` (in a staging slot, or memory the
     /// caller holds for writing until this returns), 16-byte aligned.
     pub unsafe fn launch(&mut self, descs: &[Descriptor]) -> Result<(), String> {
         assert!(
-            descs.len() <= self.chunk,
-            "a launch of at most chunk copies"
+            descs.len() <= self.chunk * self.per,
+            "a launch of at most chunk groups"
         );
         let table = self.table.as_mut().expect("until dropped");
         for (d, x) in table.as_mut_slice()[FLAG_BYTES..]
@@ -655,7 +680,8 @@ impl Store {
                 table.as_ptr().add(FLAG_BYTES),
                 self.staged.as_ref().expect("until dropped"),
                 descs.len() as u32,
-                self.bytes,
+                self.unit,
+                self.rows,
                 &self.event,
             )
         }

@@ -1,6 +1,6 @@
 // kvfs gather kernel: copies n groups of `bytes` bytes, each from its own
 // source to its own destination, in 16-byte words.
-// Regenerate gather.ptx with:
+// Regenerate gather.ptx with (or, with no nvcc, NVRTC: compute_80, no other options):
 //   nvcc -ptx -arch=compute_80 -O3 -o src/gpu/kernels/gather.ptx src/gpu/kernels/gather.cu
 // (compute_80 PTX is JIT-compiled by the driver for Ampere, Hopper and later.)
 //
@@ -38,6 +38,47 @@ extern "C" __global__ void kvfs_gather(const Desc* __restrict__ descs, unsigned 
             if (d.src != 0) {
                 v[k] = reinterpret_cast<const uint4*>(d.src)[o];
                 to[k] = reinterpret_cast<uint4*>(d.dst) + o;
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < KVFS_UNROLL; k++) {
+        if (to[k] != 0) *to[k] = v[k];
+    }
+}
+
+// Strided groups: the same copy, with one side of every descriptor laid
+// out as rows of `row` bytes, `pitch` bytes apart (an engine's layout;
+// the other side, a T1 or staging slot, contiguous): the destination
+// with `strided_dst` (a restore), else the source (a store). Row and pitch
+// are the launch's (the caller launches a batch of one shape this way),
+// both multiples of 16; the division is 32-bit (a group's words fit).
+extern "C" __global__ void kvfs_gather_rows(const Desc* __restrict__ descs, unsigned int n,
+                                            unsigned long long bytes, unsigned long long row,
+                                            unsigned long long pitch, unsigned int strided_dst) {
+    const unsigned int per = (unsigned int)(bytes / 16);
+    const unsigned int rw = (unsigned int)(row / 16);
+    const unsigned long long pw = pitch / 16;
+    const unsigned long long total = (unsigned long long)per * n;
+    const unsigned long long first =
+        (unsigned long long)blockIdx.x * blockDim.x * KVFS_UNROLL + threadIdx.x;
+    uint4 v[KVFS_UNROLL];
+    uint4* to[KVFS_UNROLL];
+#pragma unroll
+    for (int k = 0; k < KVFS_UNROLL; k++) {
+        to[k] = 0;
+        unsigned long long w = first + (unsigned long long)k * blockDim.x;
+        if (w < total) {
+            unsigned long long g = w / per;
+            unsigned int o = (unsigned int)(w - g * per);
+            unsigned int r = o / rw;
+            unsigned long long s = (unsigned long long)r * pw + (o - r * rw);
+            Desc d = descs[g];
+            if (d.src != 0) {
+                unsigned long long from = strided_dst ? o : s;
+                unsigned long long into = strided_dst ? s : o;
+                v[k] = reinterpret_cast<const uint4*>(d.src)[from];
+                to[k] = reinterpret_cast<uint4*>(d.dst) + into;
             }
         }
     }

@@ -104,5 +104,51 @@ class MountedLayoutTest(unittest.TestCase):
             self.assertEqual(os.pread(fd, lay.layer_bytes, base), data, name)
 
 
+def _cuda():
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@unittest.skipUnless(MOUNT and _cuda(), "needs KVFS_MOUNT and a CUDA GPU with torch")
+class CudaLayoutTest(unittest.TestCase):
+    """The same round trip with the layer tensors in GPU memory (CUDA
+    regions): the daemon's copies move the rows."""
+
+    def test_layer_tensors_round_trip_on_the_gpu(self):
+        import torch
+
+        with Kvfs(MOUNT) as kv:
+            g = kv.layout
+            for name in ("vllm", "flash"):
+                lay = EngineLayout(name, 4, g["kv_heads"], g["block_tokens"], g["head_dim"], 2)
+                lay.check_mount(g)
+                base = 64
+                src = torch.randint(0, 256, (base + lay.layer_bytes,), dtype=torch.uint8, device="cuda")
+                rs = kv.register_tensor(src)
+                pairs = [(0, 6), (1, 4), (2, 2), (3, 0)]
+                torch.cuda.synchronize()
+                kv.store(lay.entries(2, rs, pairs, base=base))
+                data = bytes(src[base:].cpu().tolist())
+                for eb, kb in pairs:
+                    for h in range(g["kv_heads"]):
+                        for kind in "KV":
+                            off, row, pitch = lay.place(eb, h, kind)
+                            want = b"".join(data[off + t * pitch:off + t * pitch + row]
+                                            for t in range(g["block_tokens"]))
+                            with open(os.path.join(MOUNT, "L2", f"B{kb}", f"H{h}", kind), "rb") as f:
+                                self.assertEqual(f.read(), want, (name, eb, kb, h, kind))
+                dst = torch.zeros_like(src)
+                rd = kv.register_tensor(dst)
+                kv.restore(lay.entries(2, rd, pairs, base=base))
+                torch.cuda.synchronize()
+                self.assertTrue(torch.equal(dst[base:], src[base:]), name)
+                self.assertEqual(int(dst[:base].count_nonzero()), 0, "bytes before the tensor untouched")
+                kv.unregister(rs)
+                kv.unregister(rd)
+
+
 if __name__ == "__main__":
     unittest.main()
