@@ -24,7 +24,10 @@ set -o pipefail
 fail=0
 echo "== e2e 16 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --target 0.85 2>&1 | tail -25 || fail=1
 echo "== e2e 4 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k4 --batch 4096 --inflight 4 --rounds 128 --target 0.80 2>&1 | tail -20 || fail=1
-echo "== e2e 16 KiB strided (64 rows of 256 B, pitch 512)"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --row 256 --target 0.85 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1
+echo "== e2e 16 KiB strided (64 rows of 256 B, pitch 512), in pieces"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --row 256 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1
+mkdir -p /mnt/kr; KVFS_GPU_ROWS=kernel $B mount /mnt/kr --backing /tmp/br --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
+for p in 512 2048; do echo "== e2e 16 KiB strided (64 rows of 256 B, pitch $p), rows kernel"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/kr --batch 1024 --inflight 4 --rounds 128 --row 256 --pitch $p --target 0.85 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1; done
+timeout -k 2 20 $B umount /mnt/kr; rm -rf /tmp/br
 echo "== engine layouts in GPU memory"; KVFS_MOUNT=/mnt/k16 PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_layouts.py 2>&1 | tail -8 || fail=1
 echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 | tail -10 || fail=1
 echo "== GPU checks: $([ $fail = 0 ] && echo all passed || echo SOME FAILED)"

@@ -69,6 +69,15 @@ fn copy_results(n: usize, r: &Result<(), String>) -> Vec<Result<(), CascadeError
         .collect()
 }
 
+/// Whether batches of one row shape go to the rows kernel
+/// (`KVFS_GPU_ROWS=kernel`); by default (`pieces`) every strided batch
+/// moves in pieces of whole rows through the plain kernel, the path run on
+/// the H200 so far: the rows kernel has not run on a GPU yet.
+fn rows_kernel() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KVFS_GPU_ROWS").as_deref() == Ok("kernel"))
+}
+
 /// How a batch's groups move: as one copy each (contiguous entries, or
 /// entries all of one row shape, which the rows kernel lays out), or, for a
 /// mix of shapes, as pieces of `unit` bytes, the largest size dividing
@@ -87,7 +96,11 @@ impl Shape {
         fn gcd(a: u64, b: u64) -> u64 {
             if b == 0 { a } else { gcd(b, a % b) }
         }
-        let first = work.items.first().map(|it| (it.row_bytes, it.pitch));
+        let first = work
+            .items
+            .first()
+            .map(|it| (it.row_bytes, it.pitch))
+            .filter(|_| rows_kernel());
         let uniform = work
             .items
             .iter()
