@@ -16,6 +16,8 @@ Layouts (names as the engines use them):
   FlashAttention-style layout (K and V planes, heads interleaved per token).
 """
 
+import bisect
+
 LAYOUTS = ("vllm", "flash")
 
 
@@ -88,3 +90,70 @@ class EngineLayout:
                     off, row, pitch = self.place(eb, h, kind)
                     out.append((layer, kb, head_offset + h, kind, region, base + off, row, pitch))
         return out
+
+
+class Regions:
+    """An engine's KV tensors registered with kvfs: address ranges ->
+    (region, offset), so a page named by its address (as vLLM's offloading
+    worker names them) becomes an entry's region and offset."""
+
+    def __init__(self):
+        self._starts, self._spans = [], []
+
+    def add(self, start, length, region):
+        i = bisect.bisect_right(self._starts, start)
+        for s, e, _ in self._spans[max(i - 1, 0):i + 1]:
+            if start < e and s < start + length:
+                raise LayoutError(f"tensor at {start:#x} (+{length}) overlaps one registered at {s:#x}")
+        self._starts.insert(i, start)
+        self._spans.insert(i, (start, start + length, region))
+
+    def find(self, addr, length):
+        """(region, offset) of [addr, addr + length), which must lie in one
+        registered tensor."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0:
+            s, e, region = self._spans[i]
+            if addr + length <= e:
+                return region, addr - s
+        raise LayoutError(f"page at {addr:#x} (+{length}) is in no registered KV tensor")
+
+    def __iter__(self):
+        return iter(self._spans)
+
+
+def chunk_pages(ptrs, group_size, n_layers, first_block, chunk_blocks, bases):
+    """(layer, page address, kvfs block) of a transfer laid out as vLLM's
+    DevicePointers are (for each layer, for each engine block: a page
+    address): engine block k of the transfer is logical block
+    `first_block + k`; chunk c of `chunk_blocks` logical blocks (counted
+    from the chunk holding `first_block`) lives in kvfs blocks
+    bases[c] .. bases[c] + chunk_blocks."""
+    skip = first_block % chunk_blocks
+    need = -(-(group_size + skip) // chunk_blocks)
+    if len(bases) != need:
+        raise LayoutError(f"{group_size} blocks from logical block {first_block} span {need} chunks "
+                          f"of {chunk_blocks}; {len(bases)} kvfs chunks were given")
+    out = []
+    for layer in range(n_layers):
+        row = ptrs[layer * group_size:(layer + 1) * group_size]
+        for k, addr in enumerate(row):
+            c, sub = divmod(skip + k, chunk_blocks)
+            out.append((layer, int(addr), bases[c] + sub))
+    return out
+
+
+def page_entries(page, regions, pages, head_offset=0):
+    """Strided entries for whole pages: `page` an EngineLayout of one block
+    (num_blocks 1: a page's heads, tokens, K and V), `pages` [(layer, page
+    address, kvfs block)] as chunk_pages gives them."""
+    if page.num_blocks != 1:
+        raise LayoutError("page_entries takes the layout of one page (num_blocks=1)")
+    places = [(h, kind) + page.place(0, h, kind) for h in range(page.kv_heads) for kind in ("K", "V")]
+    size = page.layer_bytes
+    out = []
+    for layer, addr, kb in pages:
+        region, off = regions.find(addr, size)
+        out.extend((layer, kb, head_offset + h, kind, region, off + o, row, pitch)
+                   for h, kind, o, row, pitch in places)
+    return out

@@ -9,7 +9,7 @@ import tempfile
 import unittest
 
 from kvfs import Kvfs
-from kvfs.layouts import EngineLayout, LayoutError
+from kvfs.layouts import EngineLayout, LayoutError, Regions, chunk_pages, page_entries
 
 MOUNT = os.environ.get("KVFS_MOUNT")
 
@@ -58,6 +58,41 @@ class PlacementTest(unittest.TestCase):
             self.assertIn("block_size", str(e.exception))
 
 
+class PagesTest(unittest.TestCase):
+    """vLLM's offloading worker names pages by address, layer by layer;
+    chunks of offloaded blocks may start mid-chunk."""
+
+    def test_chunk_pages_and_regions(self):
+        # 2 layers, 3 engine blocks from logical block 5, chunks of 4: block
+        # 5 is the second of chunk [4, 8), so pages go to 101, 102, 103.
+        ptrs = [1000, 1100, 1200, 5000, 5100, 5200]
+        got = chunk_pages(ptrs, 3, 2, 5, 4, [100])
+        self.assertEqual(got, [(0, 1000, 101), (0, 1100, 102), (0, 1200, 103),
+                               (1, 5000, 101), (1, 5100, 102), (1, 5200, 103)])
+        got = chunk_pages(ptrs[:2] + ptrs[3:5], 2, 2, 7, 4, [300, 400])
+        self.assertEqual([kb for _, _, kb in got], [303, 400, 303, 400])
+        with self.assertRaises(LayoutError):
+            chunk_pages(ptrs, 3, 2, 5, 4, [100, 200])
+        r = Regions()
+        r.add(1000, 300, 7)
+        r.add(5000, 300, 8)
+        self.assertEqual(r.find(1100, 100), (7, 100))
+        self.assertEqual(r.find(5200, 100), (8, 200))
+        for addr in (900, 1250, 2000):
+            with self.assertRaises(LayoutError):
+                r.find(addr, 100)
+        with self.assertRaises(LayoutError):
+            r.add(1200, 10, 9)
+
+    def test_page_entries_match_the_layout(self):
+        page = EngineLayout("vllm", 1, 2, 4, 8, 2)
+        r = Regions()
+        r.add(4096, 10 * page.layer_bytes, 3)
+        ents = page_entries(page, r, [(1, 4096 + 2 * page.layer_bytes, 9)], head_offset=2)
+        whole = EngineLayout("vllm", 10, 2, 4, 8, 2)
+        self.assertEqual(ents, [(1, 9, 2 + h, k, 3) + whole.place(2, h, k) for h in range(2) for k in "KV"])
+
+
 @unittest.skipUnless(MOUNT, "KVFS_MOUNT is not set")
 class MountedLayoutTest(unittest.TestCase):
     def setUp(self):
@@ -102,6 +137,42 @@ class MountedLayoutTest(unittest.TestCase):
             fd, dst = self.region(base + lay.layer_bytes)
             self.kv.restore(lay.entries(1, dst, pairs, base=base))
             self.assertEqual(os.pread(fd, lay.layer_bytes, base), data, name)
+
+    def test_pages_by_address_round_trip(self):
+        """vLLM's worker path: pages named by address in per-layer tensors,
+        chunks of 2 kvfs blocks, the transfer starting mid-chunk."""
+        g = self.g
+        page = EngineLayout("vllm", 1, g["kv_heads"], g["block_tokens"], g["head_dim"], 2)
+        nb, size = 4, page.layer_bytes
+        regions = Regions()
+        fds, datas = [], []
+        for layer in range(2):  # a tensor a layer, at made-up "addresses"
+            data = os.urandom(nb * size)
+            fd, rid = self.region(nb * size, data)
+            regions.add(0x10000000 * (layer + 1), nb * size, rid)
+            fds.append(fd)
+            datas.append(data)
+        blocks = [3, 0, 2]  # engine blocks of logical blocks 1, 2, 3
+        ptrs = [0x10000000 * (layer + 1) + b * size for layer in range(2) for b in blocks]
+        pages = chunk_pages(ptrs, 3, 2, 1, 2, [4, 6])  # kvfs blocks 5, 6, 7
+        self.kv.store(page_entries(page, regions, pages))
+        for layer, addr, kb in pages:
+            b = (addr - 0x10000000 * (layer + 1)) // size
+            for h in range(g["kv_heads"]):
+                for kind in "KV":
+                    off, row, pitch = page.place(0, h, kind)
+                    want = b"".join(datas[layer][b * size + off + t * pitch:][:row]
+                                    for t in range(g["block_tokens"]))
+                    with open(os.path.join(MOUNT, f"L{layer}", f"B{kb}", f"H{h}", kind), "rb") as f:
+                        self.assertEqual(f.read(), want, (layer, b, kb, h, kind))
+        for fd in fds:
+            os.pwrite(fd, b"\0" * (nb * size), 0)
+        self.kv.restore(page_entries(page, regions, pages))
+        for layer, fd in enumerate(fds):
+            got = os.pread(fd, nb * size, 0)
+            for b in blocks:
+                self.assertEqual(got[b * size:(b + 1) * size], datas[layer][b * size:(b + 1) * size])
+            self.assertEqual(got[size:2 * size], b"\0" * size, "block 1 was not in the transfer")
 
 
 def _cuda():
