@@ -225,7 +225,7 @@ class KvfsOffloadingWorker(OffloadingWorker):
                 self.regions.add(x.data_ptr(), length, m.region)
                 self.mirrors.append((x.data_ptr(), x.data_ptr() + length, m))
         self.torch = torch
-        self.jobs = queue.SimpleQueue()
+        self.jobs = queue.Queue()
         self.pending = {}      # job_id -> _Job submitted (or failed)
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="kvfs-vllm", daemon=True)
@@ -271,7 +271,10 @@ class KvfsOffloadingWorker(OffloadingWorker):
         with self.lock:
             self.pending[job_id] = job
         if job.error is None:
-            self.jobs.put(job)
+            if job.event is None:
+                self._send(job)  # nothing to wait for: admission only, no copy waited on
+            else:
+                self.jobs.put(job)
         return True
 
     def _mirror_pages(self, pages):
@@ -284,18 +287,25 @@ class KvfsOffloadingWorker(OffloadingWorker):
                     by.setdefault(id(m), (m, []))[1].append(addr - start)
         return list(by.values())
 
+    def _send(self, job):
+        try:
+            send = self.kv.store if job.store else self.kv.restore
+            job.ticket = send(job.entries, wait=False)
+        except Exception as e:
+            job.error = e
+
     def _run(self):
+        """Submits jobs whose GPU work must finish first (CUDA tensors)."""
         while True:
             job = self.jobs.get()
             if job is None:
                 return
             try:
-                if job.event is not None:
-                    job.event.synchronize()
-                send = self.kv.store if job.store else self.kv.restore
-                job.ticket = send(job.entries, wait=False)
+                job.event.synchronize()
             except Exception as e:
                 job.error = e
+                continue
+            self._send(job)
 
     # ---- vLLM's worker API ------------------------------------------------------
 
