@@ -345,3 +345,253 @@ impl Completion {
         Ok(self)
     }
 }
+
+/// A completion entry of a ring (see `control::ring`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingCompletion {
+    pub user_data: u64,
+    /// 0 when the submission was refused.
+    pub ticket: u64,
+    /// 0 or an errno.
+    pub status: i32,
+    pub first_failed: Option<u32>,
+    pub failed: u32,
+}
+
+/// A client's submission/completion ring (`Client::ring`): RESTORE and
+/// STORE through shared memory, no system call while the daemon is busy.
+/// Entries are written into the ring's data area (`put_entries`) and
+/// named by their offset there, so a batch encoded once can be submitted
+/// again and again.
+pub struct RingClient {
+    map: memmap2::MmapMut,
+    _file: File,
+    region: u32,
+    entries: u32,
+    data_at: usize,
+    sq_tail: u32,
+    cq_head: u32,
+}
+
+use crate::control::ring::{CQE_BYTES, RING_HEADER_BYTES, SQE_BYTES, ring_bytes};
+use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
+
+fn futex(word: &AtomicU32, op: i32, val: u32, timeout: Option<Duration>) {
+    let ts = timeout.map(|d| libc::timespec {
+        tv_sec: d.as_secs() as libc::time_t,
+        tv_nsec: d.subsec_nanos() as libc::c_long,
+    });
+    let tsp = ts
+        .as_ref()
+        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+    // SAFETY: word is an aligned u32 of the shared ring mapping.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            op,
+            val,
+            tsp,
+            std::ptr::null::<u32>(),
+            0,
+        );
+    }
+}
+
+impl Client {
+    /// Sets up this fd's ring: `entries` (a power of two) submission and
+    /// completion slots, and `data_bytes` of room for entries, in a new
+    /// file under `dir` (e.g. /dev/shm), registered as a region.
+    pub fn ring(
+        &self,
+        dir: &Path,
+        entries: u32,
+        data_bytes: u64,
+    ) -> Result<RingClient, ClientError> {
+        let data_at = ring_bytes(entries);
+        let len = data_at + data_bytes;
+        // Named while the daemon opens it, then unlinked (both keep their mappings).
+        let named = tempfile::Builder::new()
+            .prefix("kvfs-ring-")
+            .tempfile_in(dir)?;
+        named.as_file().set_len(len)?;
+        // SAFETY: a file of ours, mapped shared; the daemon maps it too.
+        let map = unsafe { memmap2::MmapMut::map_mut(named.as_file())? };
+        let region = self.register_host_region(named.path(), len)?;
+        let file = named.into_file();
+        self.call(
+            &Request::Ring {
+                region,
+                offset: 0,
+                entries,
+            },
+            0,
+        )?;
+        Ok(RingClient {
+            map,
+            _file: file,
+            region,
+            entries,
+            data_at: data_at as usize,
+            sq_tail: 0,
+            cq_head: 0,
+        })
+    }
+}
+
+impl RingClient {
+    fn word(&self, at: usize) -> &AtomicU32 {
+        // SAFETY: a 4-aligned header word of the page-aligned mapping.
+        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU32) }
+    }
+
+    /// The ring's region id (its data area is bytes `data_offset()..`).
+    pub fn region(&self) -> u32 {
+        self.region
+    }
+
+    pub fn data_offset(&self) -> u64 {
+        self.data_at as u64
+    }
+
+    /// Writes contiguous entries at byte `at` of the data area; returns
+    /// their offset in the region, for `submit`.
+    pub fn put_entries(&mut self, at: usize, entries: &[(GroupKey, u32, u64)]) -> u64 {
+        let mut b = Vec::with_capacity(entries.len() * wire::IO_ENTRY_BYTES);
+        wire::encode_io_entries(&mut b, &io_entries(entries));
+        let off = self.data_at + at;
+        self.map[off..off + b.len()].copy_from_slice(&b);
+        off as u64
+    }
+
+    /// Writes raw bytes at byte `at` of the data area (e.g. group bytes
+    /// that entries name in the ring's region).
+    pub fn put_raw(&mut self, at: usize, bytes: &[u8]) {
+        let off = self.data_at + at;
+        self.map[off..off + bytes.len()].copy_from_slice(bytes);
+    }
+
+    /// `len` bytes at byte `at` of the ring's region.
+    pub fn read_raw(&self, at: usize, len: usize) -> Vec<u8> {
+        self.map[at..at + len].to_vec()
+    }
+
+    /// Submission slots free now.
+    pub fn room(&self) -> u32 {
+        let head = self.word(0).load(AtomicOrdering::Acquire);
+        self.entries - self.sq_tail.wrapping_sub(head)
+    }
+
+    /// Submits a RESTORE or STORE of `count` contiguous entries at
+    /// `entries_at` of the ring's region; false when the submission ring is
+    /// full (reap, then try again).
+    pub fn submit(
+        &mut self,
+        user_data: u64,
+        command: Command,
+        count: u32,
+        entries_at: u64,
+    ) -> bool {
+        self.submit_raw(
+            user_data,
+            command as u32,
+            count,
+            ((self.region as u64) << 32) | wire::ENTRIES_IN_REGION,
+            entries_at,
+        )
+    }
+
+    /// A submission as its raw fields (any region of the fd, any flags).
+    pub fn submit_raw(
+        &mut self,
+        user_data: u64,
+        command: u32,
+        count: u32,
+        arg0: u64,
+        arg1: u64,
+    ) -> bool {
+        if self.room() == 0 {
+            return false;
+        }
+        let slot = (self.sq_tail & (self.entries - 1)) as usize;
+        let at = RING_HEADER_BYTES as usize + slot * SQE_BYTES as usize;
+        let s = &mut self.map[at..at + SQE_BYTES as usize];
+        s[0..8].copy_from_slice(&user_data.to_le_bytes());
+        s[8..12].copy_from_slice(&command.to_le_bytes());
+        s[12..16].copy_from_slice(&count.to_le_bytes());
+        s[16..24].copy_from_slice(&arg0.to_le_bytes());
+        s[24..32].copy_from_slice(&arg1.to_le_bytes());
+        self.sq_tail = self.sq_tail.wrapping_add(1);
+        self.word(64).store(self.sq_tail, AtomicOrdering::Release);
+        std::sync::atomic::fence(AtomicOrdering::SeqCst);
+        if self.word(256).load(AtomicOrdering::Acquire) != 0 {
+            futex(self.word(64), libc::FUTEX_WAKE, i32::MAX as u32, None);
+        }
+        true
+    }
+
+    /// Completions ready now (at most `max`), reaped.
+    pub fn peek(&mut self, max: usize) -> Vec<RingCompletion> {
+        let tail = self.word(192).load(AtomicOrdering::Acquire);
+        let mut out = Vec::new();
+        while self.cq_head != tail && out.len() < max {
+            let slot = (self.cq_head & (self.entries - 1)) as usize;
+            let at = (RING_HEADER_BYTES + SQE_BYTES * self.entries as u64) as usize
+                + slot * CQE_BYTES as usize;
+            let c = &self.map[at..at + CQE_BYTES as usize];
+            let u = |i: usize| u64::from_le_bytes(c[i..i + 8].try_into().expect("8 bytes"));
+            let w = |i: usize| u32::from_le_bytes(c[i..i + 4].try_into().expect("4 bytes"));
+            out.push(RingCompletion {
+                user_data: u(0),
+                ticket: u(8),
+                status: w(16) as i32,
+                first_failed: (w(20) != wire::NO_ENTRY).then_some(w(20)),
+                failed: w(24),
+            });
+            self.cq_head = self.cq_head.wrapping_add(1);
+        }
+        self.word(128).store(self.cq_head, AtomicOrdering::Release);
+        out
+    }
+
+    /// Waits until at least `min` completions are ready (or `timeout`
+    /// passes), then reaps up to `max`.
+    pub fn reap(
+        &mut self,
+        min: usize,
+        max: usize,
+        timeout: Option<Duration>,
+    ) -> Vec<RingCompletion> {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        let mut out = self.peek(max);
+        let mut spins = 0u32;
+        while out.len() < min {
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                break;
+            }
+            let tail = self.word(192).load(AtomicOrdering::Acquire);
+            if tail == self.cq_head {
+                spins += 1;
+                if spins < 200 {
+                    std::hint::spin_loop();
+                } else {
+                    self.word(320).store(1, AtomicOrdering::Release);
+                    std::sync::atomic::fence(AtomicOrdering::SeqCst);
+                    if self.word(192).load(AtomicOrdering::Acquire) == self.cq_head {
+                        futex(
+                            self.word(192),
+                            libc::FUTEX_WAIT,
+                            tail,
+                            Some(Duration::from_millis(10)),
+                        );
+                    }
+                    self.word(320).store(0, AtomicOrdering::Release);
+                }
+                continue;
+            }
+            spins = 0;
+            out.extend(self.peek(max - out.len()));
+        }
+        out
+    }
+}

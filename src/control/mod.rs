@@ -22,6 +22,7 @@ mod gpu;
 mod guard;
 mod host;
 mod region;
+pub mod ring;
 mod session;
 pub mod wire;
 
@@ -62,8 +63,8 @@ fn reject(errno: i32, entry: u32, message: impl Into<String>) -> Rejection {
 
 #[derive(Default)]
 struct ControlStats {
-    requests: [AtomicU64; 10],
-    rejected: [AtomicU64; 10],
+    requests: [AtomicU64; 11],
+    rejected: [AtomicU64; 11],
     restore_latency: Histogram,
     store_latency: Histogram,
     restored_bytes: AtomicU64,
@@ -145,7 +146,7 @@ impl Control {
     pub fn render_stats(&self, e: &mut Exposition) {
         use wire::Command::*;
         let cmds = [
-            Hello, Register, Unregister, Restore, Store, Query, Prefetch, Wait,
+            Hello, Register, Unregister, Restore, Store, Query, Prefetch, Wait, Ring,
         ];
         for (name, help, counts) in [
             (

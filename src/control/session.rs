@@ -10,6 +10,7 @@
 //! Tickets are finished here, whichever room ran them.
 
 use super::region::Region;
+use super::ring::{Cqe, Ring};
 use super::wire::{self, Command, NO_ENTRY, Reply, Request};
 use super::{Control, Rejection, reject};
 use crate::cascade::CascadeError;
@@ -58,6 +59,11 @@ pub(super) struct SessionState {
     pollers: Vec<Box<dyn FnOnce() + Send>>,
     /// IPC events of GPU tickets, kept until the ticket is collected.
     pub(super) events: HashMap<u64, Arc<PooledEvent>>,
+    /// This fd's submission/completion ring, if it set one up.
+    ring: Option<Arc<Ring>>,
+    /// Tickets submitted through the ring -> their user_data: collected
+    /// by a completion entry when they end.
+    ring_tickets: HashMap<u64, u64>,
 }
 
 impl SessionState {
@@ -387,6 +393,9 @@ impl Session {
     /// to their end (they hold the session and their regions).
     pub fn close(&self) {
         let mut st = self.st.lock();
+        if let Some(r) = st.ring.take() {
+            r.stop();
+        }
         let readers: Vec<_> = st.readers.drain(..).collect();
         let waiters: Vec<_> = st.waiters.drain(..).collect();
         st.pollers.clear();
@@ -425,6 +434,7 @@ impl Session {
             Request::Store(_) | Request::StoreStrided(_) | Request::StoreFrom(_) => Command::Store,
             Request::Query(_) => Command::Query,
             Request::Prefetch(_) => Command::Prefetch,
+            Request::Ring { .. } => Command::Ring,
             Request::Wait { .. } => unreachable!("WAIT is handled by its transport"),
         };
         let out = match r {
@@ -443,6 +453,11 @@ impl Session {
                 .and_then(|e| self.submit_io(Command::Store, &e)),
             Request::Query(k) => self.query(&k),
             Request::Prefetch(k) => self.prefetch(&k),
+            Request::Ring {
+                region,
+                offset,
+                entries,
+            } => self.setup_ring(region, offset, entries),
             Request::Wait { .. } => unreachable!(),
         };
         self.count(cmd, out.is_ok());
@@ -472,6 +487,79 @@ impl Session {
         let id = st.next_region;
         st.regions.insert(id, Arc::new(region));
         Ok(Reply::ok(Command::Register, id as u64))
+    }
+
+    /// RING: this fd's submission/completion ring in one of its host
+    /// regions, served by a thread of its own (see `ring`).
+    fn setup_ring(
+        self: &Arc<Session>,
+        region: u32,
+        offset: u64,
+        entries: u32,
+    ) -> Result<Reply, Rejection> {
+        let mut st = self.st.lock();
+        if st.ring.is_some() {
+            return Err(reject(
+                libc::EBUSY,
+                NO_ENTRY,
+                "this fd has a ring already (one a fd: open another fd for another)",
+            ));
+        }
+        let r = st.regions.get(&region).cloned().ok_or_else(|| {
+            reject(
+                libc::EBADF,
+                NO_ENTRY,
+                format!("region {region} is not registered on this fd"),
+            )
+        })?;
+        let ring = Arc::new(Ring::new(r, offset, entries)?);
+        st.ring = Some(ring.clone());
+        drop(st);
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("kvfs-ring".into())
+            .spawn(move || ring.run(weak))
+            .map_err(|e| {
+                reject(
+                    libc::EAGAIN,
+                    NO_ENTRY,
+                    format!("cannot start the ring thread: {e}"),
+                )
+            })?;
+        Ok(Reply::ok(Command::Ring, entries as u64))
+    }
+
+    /// A submission taken from the ring: handled as a request; its
+    /// completion entry is posted when the ticket ends (now, if it is
+    /// refused or already over).
+    pub(super) fn ring_submit(self: &Arc<Session>, ring: &Ring, user_data: u64, req: Request) {
+        let reply = self.handle(req);
+        if reply.status != 0 {
+            return ring.post(Cqe {
+                user_data,
+                ticket: 0,
+                status: reply.status,
+                entry: reply.entry,
+                failed: 0,
+            });
+        }
+        let ticket = reply.value;
+        let mut st = self.st.lock();
+        match st.collect(ticket) {
+            Some(r) => {
+                drop(st);
+                ring.post(Cqe {
+                    user_data,
+                    ticket,
+                    status: r.status,
+                    entry: r.entry,
+                    failed: r.failed,
+                });
+            }
+            None => {
+                st.ring_tickets.insert(ticket, user_data);
+            }
+        }
     }
 
     fn unregister(&self, region: u32) -> Result<Reply, Rejection> {
@@ -531,6 +619,23 @@ impl Session {
         }
         {
             let mut st = self.st.lock();
+            if let Some(user_data) = st.ring_tickets.remove(&ticket) {
+                // A ring ticket: collected by its completion entry.
+                st.tickets.remove(&ticket);
+                st.events.remove(&ticket);
+                let ring = st.ring.clone();
+                drop(st);
+                if let Some(ring) = ring {
+                    ring.post(Cqe {
+                        user_data,
+                        ticket,
+                        status: r.status,
+                        entry: r.entry,
+                        failed: r.failed,
+                    });
+                }
+                return;
+            }
             st.tickets.insert(ticket, Ticket::Done(r));
             st.done.push_back(ticket);
         }

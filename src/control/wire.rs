@@ -137,13 +137,15 @@ pub enum Command {
     Wait = 8,
     /// Reply-only: an unsolicited completion record read from the fd.
     Completion = 9,
+    /// Sets up this fd's submission/completion ring (see `control::ring`).
+    Ring = 10,
 }
 
 impl Command {
     pub fn from_u16(v: u16) -> Option<Command> {
         use Command::*;
         [
-            Hello, Register, Unregister, Restore, Store, Query, Prefetch, Wait, Completion,
+            Hello, Register, Unregister, Restore, Store, Query, Prefetch, Wait, Completion, Ring,
         ]
         .into_iter()
         .find(|c| *c as u16 == v)
@@ -160,6 +162,7 @@ impl Command {
             Command::Prefetch => "prefetch",
             Command::Wait => "wait",
             Command::Completion => "completion",
+            Command::Ring => "ring",
         }
     }
 }
@@ -169,6 +172,8 @@ impl Command {
 ///   `arg1` = region length. UNREGISTER: `arg0` = region id.
 /// - RESTORE, STORE: `count` IO entries. QUERY, PREFETCH: `count` key entries.
 /// - WAIT: `arg0` = ticket, `arg1` = timeout in ms (u64::MAX: forever).
+/// - RING: `count` = ring entries (a power of two), `arg0` = the host
+///   region holding the ring, `arg1` = the ring's offset in it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
     pub command: u16,
@@ -273,6 +278,11 @@ pub enum Request {
     Wait {
         ticket: u64,
         timeout_ms: u64,
+    },
+    Ring {
+        region: u32,
+        offset: u64,
+        entries: u32,
     },
 }
 
@@ -436,6 +446,11 @@ pub fn encode_request(r: &Request) -> Vec<u8> {
         Request::Query(k) => (Command::Query, k.len() as u32, 0, 0),
         Request::Prefetch(k) => (Command::Prefetch, k.len() as u32, 0, 0),
         Request::Wait { ticket, timeout_ms } => (Command::Wait, 0, *ticket, *timeout_ms),
+        Request::Ring {
+            region,
+            offset,
+            entries,
+        } => (Command::Ring, *entries, *region as u64, *offset),
     };
     let h = Header {
         command: command as u16,
@@ -598,6 +613,11 @@ pub fn decode_request(b: &[u8]) -> Result<Request, DecodeError> {
         Command::Wait => Request::Wait {
             ticket: h.arg0,
             timeout_ms: h.arg1,
+        },
+        Command::Ring => Request::Ring {
+            region: u32::try_from(h.arg0).map_err(|_| DecodeError::RegionId(h.arg0))?,
+            offset: h.arg1,
+            entries: h.count,
         },
         Command::Completion => unreachable!("refused by request_len"),
     })
@@ -816,6 +836,13 @@ mod tests {
             proptest::collection::vec(key_strategy(), 0..20).prop_map(Request::Prefetch),
             (any::<u64>(), any::<u64>())
                 .prop_map(|(ticket, timeout_ms)| Request::Wait { ticket, timeout_ms }),
+            (any::<u32>(), any::<u64>(), any::<u32>()).prop_map(|(region, offset, entries)| {
+                Request::Ring {
+                    region,
+                    offset,
+                    entries,
+                }
+            }),
         ]
     }
 
