@@ -20,7 +20,11 @@ fn key(i: u64) -> GroupKey {
         0,
         i / 4,
         ((i / 2) % 2) as u32,
-        if i % 2 == 0 { Kind::K } else { Kind::V },
+        if i.is_multiple_of(2) {
+            Kind::K
+        } else {
+            Kind::V
+        },
     )
 }
 
