@@ -204,10 +204,100 @@ fn run_size(b: &RestoreBench, block_tokens: u32) -> anyhow::Result<Vec<RestoreRo
             });
         }
     }
+    if gb == 16 << 10 {
+        ticket_rates(b, &client, rid, &layout, &hot, &mut map, &src)?;
+    }
     drop(map);
     drop(client);
     drop(fs.unmount());
     Ok(rows)
+}
+
+/// Tickets in flight in the small-ticket runs.
+const IN_FLIGHT: usize = 64;
+
+/// Small tickets (one group each, IN_FLIGHT in flight, one client thread):
+/// through ioctls (RESTORE, then WAIT for the oldest) and through the
+/// fd's ring (`control::ring`), next to memcpy of the same bytes.
+fn ticket_rates(
+    b: &RestoreBench,
+    client: &Client,
+    rid: u32,
+    layout: &GroupLayout,
+    hot: &[u64],
+    map: &mut [u8],
+    src: &[u8],
+) -> anyhow::Result<()> {
+    let gb = layout.group_bytes() as usize;
+    let entry = |i: usize| {
+        let g = hot[i % hot.len()];
+        (
+            layout.key(GroupIndex(g)).expect("in range"),
+            rid,
+            ((i % IN_FLIGHT) * gb) as u64,
+        )
+    };
+    let base = memcpy_gbps(&mut map[..gb], &src[..gb], b.seconds / 2.0);
+    let t = Instant::now();
+    let (mut n, mut pending) = (0u64, std::collections::VecDeque::new());
+    while t.elapsed() < Duration::from_secs_f64(b.seconds) {
+        pending.push_back(client.restore(&[entry(n as usize)])?);
+        if pending.len() >= IN_FLIGHT {
+            client
+                .wait(pending.pop_front().expect("in flight"), None)?
+                .ok()?;
+        }
+        n += 1;
+    }
+    for t in pending {
+        client.wait(t, None)?.ok()?;
+    }
+    let ioctl = n as f64 / t.elapsed().as_secs_f64();
+    let mut ring = client.ring(&b.shm, 2 * IN_FLIGHT as u32, (hot.len() * 32) as u64)?;
+    let at: Vec<u64> = (0..hot.len())
+        .map(|i| ring.put_entries(i * 32, &[entry(i)]))
+        .collect();
+    let t = Instant::now();
+    let (mut n, mut flying, mut failed) = (0u64, 0usize, 0u64);
+    while t.elapsed() < Duration::from_secs_f64(b.seconds) {
+        while flying < IN_FLIGHT
+            && ring.submit(
+                n,
+                crate::control::wire::Command::Restore,
+                1,
+                at[n as usize % at.len()],
+            )
+        {
+            flying += 1;
+            n += 1;
+        }
+        for c in ring.reap(1, IN_FLIGHT, Some(Duration::from_secs(10))) {
+            flying -= 1;
+            failed += (c.status != 0) as u64;
+        }
+    }
+    while flying > 0 {
+        for c in ring.reap(1, IN_FLIGHT, Some(Duration::from_secs(10))) {
+            flying -= 1;
+            failed += (c.status != 0) as u64;
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} ring tickets failed");
+    }
+    let rate = n as f64 / t.elapsed().as_secs_f64();
+    let mb = |r: f64| r * gb as f64 / 1e9;
+    println!(
+        "  {:>3} KiB tickets of one group, {IN_FLIGHT} in flight, one client thread: RESTORE + WAIT \
+         ioctls {} tickets/s ({:.2} GB/s); the fd's ring {} tickets/s ({:.2} GB/s); memcpy of a \
+         group {base:.2} GB/s",
+        gb >> 10,
+        thousands(ioctl as u64),
+        mb(ioctl),
+        thousands(rate as u64),
+        mb(rate),
+    );
+    Ok(())
 }
 
 pub fn run(b: &RestoreBench) -> anyhow::Result<Vec<RestoreRow>> {
