@@ -26,6 +26,7 @@ from .client import (
     REPLY_MAGIC,
     REQUEST_MAGIC,
     RESTORE,
+    RING,
     STATES,
     STORE,
     UNREGISTER,
@@ -34,6 +35,8 @@ from .client import (
     Encoded,
     Kvfs,
     KvfsError,
+    Ring,
+    RingCompletion,
     Ticket,
 )
 
@@ -43,6 +46,8 @@ __all__ = [
     "Kvfs",
     "KvfsError",
     "Ticket",
+    "Ring",
+    "RingCompletion",
     "Encoded",
     "REQUEST_MAGIC",
     "REPLY_MAGIC",
@@ -56,6 +61,7 @@ __all__ = [
     "PREFETCH",
     "WAIT",
     "COMPLETION",
+    "RING",
     "NO_ENTRY",
     "FOREVER",
     "STATES",

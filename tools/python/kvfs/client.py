@@ -29,7 +29,7 @@ import threading
 REQUEST_MAGIC = struct.unpack("<I", b"KVFQ")[0]
 REPLY_MAGIC = struct.unpack("<I", b"KVFR")[0]
 VERSION = 1
-HELLO, REGISTER, UNREGISTER, RESTORE, STORE, QUERY, PREFETCH, WAIT, COMPLETION = range(1, 10)
+HELLO, REGISTER, UNREGISTER, RESTORE, STORE, QUERY, PREFETCH, WAIT, COMPLETION, RING = range(1, 11)
 NO_ENTRY = 0xFFFFFFFF
 FOREVER = 0xFFFFFFFFFFFFFFFF
 STATES = {0: "empty", 1: "backing", 2: "t1"}
@@ -308,6 +308,12 @@ class Kvfs:
                 old[1].close()
         return self._scratch
 
+    def ring(self, entries=256, data_bytes=16 << 20):
+        """Sets up this session's submission/completion ring (one a session):
+        RESTORE and STORE through shared memory, with no system call while
+        the daemon is busy. Returns a Ring (see Ring)."""
+        return Ring(self, entries, data_bytes)
+
     def _io(self, command, entries):
         count, body, flags = self._entries(entries)
         if not self._use_ioctl or _HEADER.size + len(body) <= _IOCTL_MAX:
@@ -370,3 +376,152 @@ class Kvfs:
         ms = FOREVER if timeout is None else max(0, int(timeout * 1000))
         self._call(WAIT, 0, ticket, ms)
         return ticket
+
+
+_RING_HEADER = 4096
+_SQE = struct.Struct("<QIIQQ")    # user_data, command, count, arg0, arg1
+_CQE = struct.Struct("<QQIII4x")  # user_data, ticket, status, entry, failed
+_U32 = struct.Struct("<I")
+_SQ_HEAD, _SQ_TAIL, _CQ_HEAD, _CQ_TAIL, _SQ_SLEEPING, _CQ_WAITING = 0, 64, 128, 192, 256, 320
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine)
+_libc = None
+
+
+def _futex(mm, at, op, val, timeout=None):
+    """futex(2) on the u32 at byte `at` of the shared mapping (op 0 WAIT,
+    1 WAKE; not private: the daemon's process shares the word)."""
+    global _libc
+    import ctypes
+
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    word = ctypes.c_uint32.from_buffer(mm, at)
+    ts = None
+    if timeout is not None:
+        class _Ts(ctypes.Structure):
+            _fields_ = [("s", ctypes.c_long), ("ns", ctypes.c_long)]
+        ts = ctypes.byref(_Ts(int(timeout), int((timeout % 1) * 1e9)))
+    _libc.syscall(_SYS_FUTEX, ctypes.byref(word), op, ctypes.c_uint32(val), ts, None, 0)
+    del word
+
+
+class RingCompletion(tuple):
+    """(user_data, ticket, status, entry, failed): `ticket` 0 when the
+    submission was refused, `status` 0 or an errno, `entry` the first
+    failed entry (or None)."""
+
+    __slots__ = ()
+
+    user_data = property(lambda self: self[0])
+    ticket = property(lambda self: self[1])
+    status = property(lambda self: self[2])
+    entry = property(lambda self: self[3])
+    failed = property(lambda self: self[4])
+
+
+class Ring:
+    """A session's submission/completion ring (Kvfs.ring): a /dev/shm file
+    registered as a region, `entries` submission and completion slots, then
+    `data_bytes` where batches' entries are written (put) and named by
+    offset when submitted, so a batch encoded once is submitted again and
+    again without copying. The daemon admits each submission exactly as a
+    RESTORE/STORE request and posts one completion per submission.
+
+        ring = kv.ring()
+        at = ring.put(kv.encode_entries(entries))   # once
+        ring.submit(RESTORE, at, user_data=7)       # no system call while kvfs is busy
+        for c in ring.reap(1):                       # completions, waiting for one
+            assert c.status == 0
+
+    Not thread-safe: one submitting and reaping thread a ring."""
+
+    def __init__(self, kv, entries, data_bytes):
+        if _SYS_FUTEX is None:
+            raise KvfsError(errno.ENOSYS, f"kvfs rings need futex(2) on x86_64 or aarch64, not "
+                                          f"{os.uname().machine}")
+        if entries < 1 or entries & (entries - 1):
+            raise ValueError(f"a ring of {entries} entries: give a power of two")
+        self.kv, self.entries = kv, entries
+        self.data_at = _RING_HEADER + 64 * entries
+        size = self.data_at + data_bytes
+        d = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="kvfs-ring-", dir=d)
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+            self.region = kv.register_host_region(path, size)
+        finally:
+            os.close(fd)
+            os.unlink(path)  # the daemon keeps its mapping
+        kv._call(RING, entries, self.region, 0)
+        self.size, self.sq_tail, self.cq_head, self._put_at = size, 0, 0, 0
+
+    def _word(self, at):
+        return _U32.unpack_from(self.mm, at)[0]
+
+    def put(self, entries, at=None):
+        """Writes a batch's entries (a list, or Kvfs.encode_entries' result)
+        into the data area (at byte `at` of it, or after the last put):
+        returns the handle `submit` takes."""
+        e = entries if isinstance(entries, Encoded) else self.kv.encode_entries(entries)
+        if at is None:
+            at = self._put_at
+        off = self.data_at + at
+        if off + len(e) > self.size:
+            raise KvfsError(errno.ENOSPC, f"{len(e)} bytes of entries at {at} do not fit the ring's "
+                                          f"{self.size - self.data_at}-byte data area")
+        self.mm[off:off + len(e)] = e
+        self._put_at = at + len(e)
+        return (off, len(e) // (48 if e.strided else 32), e.strided)
+
+    def room(self):
+        """Submission slots free now."""
+        return self.entries - ((self.sq_tail - self._word(_SQ_HEAD)) & 0xFFFFFFFF)
+
+    def submit(self, command, handle, user_data=0):
+        """Submits a RESTORE or STORE of the entries `handle` names (from
+        put); False when the submission ring is full (reap, then again)."""
+        if command not in (RESTORE, STORE):
+            raise ValueError("a ring takes RESTORE and STORE")
+        if self.room() == 0:
+            return False
+        off, count, strided = handle
+        arg0 = (self.region << 32) | ENTRIES_IN_REGION | (ENTRIES_STRIDED if strided else 0)
+        slot = self.sq_tail & (self.entries - 1)
+        _SQE.pack_into(self.mm, _RING_HEADER + 32 * slot, user_data, command, count, arg0, off)
+        self.sq_tail = (self.sq_tail + 1) & 0xFFFFFFFF
+        _U32.pack_into(self.mm, _SQ_TAIL, self.sq_tail)
+        if self._word(_SQ_SLEEPING):
+            _futex(self.mm, _SQ_TAIL, 1, 0x7FFFFFFF)
+        return True
+
+    def peek(self, max_n=1 << 30):
+        """Completions ready now (reaped)."""
+        tail = self._word(_CQ_TAIL)
+        out = []
+        cq = _RING_HEADER + 32 * self.entries
+        while self.cq_head != tail and len(out) < max_n:
+            u, t, st, ent, failed = _CQE.unpack_from(self.mm, cq + 32 * (self.cq_head & (self.entries - 1)))
+            out.append(RingCompletion((u, t, st, None if ent == NO_ENTRY else ent, failed)))
+            self.cq_head = (self.cq_head + 1) & 0xFFFFFFFF
+        _U32.pack_into(self.mm, _CQ_HEAD, self.cq_head)
+        return out
+
+    def reap(self, min_n=1, timeout=None):
+        """Waits until at least `min_n` completions are ready (or `timeout`
+        seconds pass), then reaps all that are ready."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = self.peek()
+        while len(out) < min_n:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            tail = self._word(_CQ_TAIL)
+            if tail == self.cq_head:
+                _U32.pack_into(self.mm, _CQ_WAITING, 1)
+                if self._word(_CQ_TAIL) == self.cq_head:
+                    _futex(self.mm, _CQ_TAIL, 0, tail, 0.01)
+                _U32.pack_into(self.mm, _CQ_WAITING, 0)
+            out.extend(self.peek())
+        return out

@@ -255,6 +255,67 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(errors, [])
 
 
+@unittest.skipUnless(MOUNT, "KVFS_MOUNT is not set")
+class RingTest(unittest.TestCase):
+    """RESTORE and STORE through the session's ring (Kvfs.ring)."""
+
+    def setUp(self):
+        self.kv = Kvfs(MOUNT)
+        self.gb = self.kv.layout["group_bytes"]
+        self.r = Region(32 * self.gb)
+        self.rid = self.kv.register_host_region(self.r.path, self.r.size)
+
+    def tearDown(self):
+        self.kv.close()
+        self.r.close()
+
+    def test_store_and_restore_through_the_ring(self):
+        from kvfs import RESTORE, STORE
+
+        gb = self.gb
+        data = pattern(5, 8 * gb)
+        self.r.write(0, data)
+        ring = self.kv.ring(entries=8, data_bytes=1 << 16)
+        keys = [(0, 6, h, k) for h in range(2) for k in "KV"] + [(1, 6, h, k) for h in range(2) for k in "KV"]
+        st = ring.put([k + (self.rid, i * gb) for i, k in enumerate(keys)])
+        self.assertTrue(ring.submit(STORE, st, user_data=41))
+        (c,) = ring.reap(1, timeout=10)
+        self.assertEqual((c.user_data, c.status, c.entry, c.failed), (41, 0, None, 0))
+        self.assertGreater(c.ticket, 0)
+        for i, (l, b, h, k) in enumerate(keys):
+            with open(os.path.join(MOUNT, f"L{l}", f"B{b}", f"H{h}", k), "rb") as f:
+                self.assertEqual(f.read(), data[i * gb:(i + 1) * gb])
+        # One ticket a group, restored in reverse after the data, all in flight.
+        handles = [ring.put([k + (self.rid, (16 + 7 - i) * gb)]) for i, k in enumerate(keys)]
+        for i, hnd in enumerate(handles):
+            self.assertTrue(ring.submit(RESTORE, hnd, user_data=100 + i))
+        got = []
+        while len(got) < 8:
+            got += ring.reap(1, timeout=10)
+        self.assertEqual(sorted(c.user_data for c in got), list(range(100, 108)))
+        self.assertTrue(all(c.status == 0 for c in got), got)
+        back = self.r.read(16 * gb, 8 * gb)
+        for i in range(8):
+            self.assertEqual(back[(7 - i) * gb:(8 - i) * gb], data[i * gb:(i + 1) * gb])
+
+    def test_refusals_and_timeouts(self):
+        import errno as E
+
+        from kvfs import RESTORE
+
+        ring = self.kv.ring(entries=4, data_bytes=4096)
+        bad = ring.put([(0, 6, 0, "K", self.rid, self.r.size)])  # past the region's end
+        self.assertTrue(ring.submit(RESTORE, bad, user_data=9))
+        (c,) = ring.reap(1, timeout=10)
+        self.assertEqual((c.user_data, c.status, c.ticket), (9, E.EFAULT, 0))
+        self.assertEqual(ring.reap(1, timeout=0.05), [], "nothing more completes")
+        with self.assertRaises(KvfsError) as e:
+            self.kv.ring()
+        self.assertEqual(e.exception.errno, E.EBUSY)
+        with self.assertRaises(ValueError):
+            ring.submit(99, bad)
+
+
 class WriteReadTest(ClientTest):
     """The same tests with every request by write(2) and read(2)."""
 
