@@ -286,6 +286,42 @@ fn ticket_rates(
         bail!("{failed} ring tickets failed");
     }
     let rate = n as f64 / t.elapsed().as_secs_f64();
+    // Submission cost of a 1024-entry batch (pre-encoded): a RESTORE
+    // ioctl (the client waits for admission) against a ring submission.
+    let batch: Vec<_> = (0..1024)
+        .map(|i| {
+            let (k, r, _) = entry(i);
+            (k, r, (i * gb) as u64)
+        })
+        .collect();
+    let (mut ioctl_us, mut ring_us) = (Vec::new(), Vec::new());
+    let big = ring.put_entries(hot.len() * 32 - 1024 * 32, &batch);
+    for _ in 0..50 {
+        let t0 = Instant::now();
+        let tk = client.restore(&batch)?;
+        ioctl_us.push(t0.elapsed().as_secs_f64() * 1e6);
+        client.wait(tk, None)?.ok()?;
+        let t0 = Instant::now();
+        if !ring.submit(0, crate::control::wire::Command::Restore, 1024, big) {
+            bail!("the ring is full with nothing in flight");
+        }
+        ring_us.push(t0.elapsed().as_secs_f64() * 1e6);
+        let c = ring.reap(1, 1, Some(Duration::from_secs(10)));
+        if c.first().is_none_or(|c| c.status != 0) {
+            bail!("a 1024-entry ring restore failed: {c:?}");
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "  submitting 1024 pre-encoded entries ({} KiB groups): RESTORE ioctl {:.1} us of client \
+         time (admission included), ring submission {:.2} us (admission runs in the daemon after)",
+        gb >> 10,
+        median(ioctl_us),
+        median(ring_us)
+    );
     let mb = |r: f64| r * gb as f64 / 1e9;
     println!(
         "  {:>3} KiB tickets of one group, {IN_FLIGHT} in flight, one client thread: RESTORE + WAIT \
