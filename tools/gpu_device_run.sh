@@ -22,7 +22,7 @@ $B mount /mnt/k4 --backing /tmp/b4 --t1 2GiB --preset llama-3.1-8b || exit 1
 $B mount /mnt/kg --backing /tmp/bg --t1 8KiB --layers 1 --blocks 4 --kv-heads 1 --head-dim 128 --block-tokens 16 --dtype bf16 || exit 1
 set -o pipefail
 fail=0
-echo "== e2e 16 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --target 0.85 2>&1 | tail -25 || fail=1
+echo "== e2e 16 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --ring --target 0.85 2>&1 | tail -25 || fail=1
 echo "== e2e 4 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k4 --batch 4096 --inflight 4 --rounds 128 --target 0.80 2>&1 | tail -20 || fail=1
 echo "== e2e 16 KiB strided (64 rows of 256 B, pitch 512), in pieces"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --row 256 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1
 mkdir -p /mnt/kr; KVFS_GPU_ROWS=kernel $B mount /mnt/kr --backing /tmp/br --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
