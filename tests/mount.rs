@@ -228,6 +228,7 @@ fn unmount_then_remount_keeps_everything() {
         return;
     }
     let m = Mount::new(&[]);
+    assert_eq!(df_used_groups(&m), (0, 64), "a fresh mount: nothing used");
     // More groups than T1 holds (64 KiB = 32 slots), so some are evicted.
     let mut written = Vec::new();
     for l in 0..2 {
@@ -240,6 +241,8 @@ fn unmount_then_remount_keeps_everything() {
             }
         }
     }
+    // df: written groups are used (some written back, some only dirty in T1).
+    assert_eq!(df_used_groups(&m), (32, 64));
     m.umount();
     assert!(!is_mounted(&m.mp));
     // Geometry flags that disagree are refused, naming both.
@@ -267,6 +270,26 @@ fn unmount_then_remount_keeps_everything() {
         xattr(&m.p("L0/B0/H0/V"), "user.kvfs.tier").as_deref(),
         Some("empty")
     );
+    assert_eq!(df_used_groups(&m), (32, 64), "df after a remount");
+}
+
+/// (groups used, groups in all) as statfs(2) reports them (`df`): blocks
+/// and files both count groups.
+fn df_used_groups(m: &Mount) -> (u64, u64) {
+    let c = std::ffi::CString::new(m.mp.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a zeroed statvfs filled by the call.
+    let mut v: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c is a NUL-terminated path, v a valid out pointer.
+    assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut v) }, 0);
+    let per = GB as u64 / v.f_frsize;
+    let (blocks, free) = (v.f_blocks / per, v.f_bfree / per);
+    assert_eq!(
+        (v.f_files, v.f_ffree),
+        (blocks, free),
+        "files and blocks agree"
+    );
+    assert_eq!(v.f_bavail, v.f_bfree);
+    (blocks - free, blocks)
 }
 
 /// `kvfs mount` of the test's backing with no geometry options; must succeed.

@@ -47,6 +47,8 @@ pub struct GroupMeta {
 pub struct MetaTable {
     map: MmapMut,
     count: u64,
+    /// Records in the written state (kept by `set`).
+    written: AtomicU64,
 }
 
 impl MetaTable {
@@ -64,13 +66,58 @@ impl MetaTable {
         // no other kvfs maps or truncates the file while it is mapped; the
         // length was checked above.
         let map = unsafe { MmapOptions::new().len(want as usize).map_mut(file)? };
-        Ok(MetaTable { map, count })
+        let t = MetaTable {
+            map,
+            count,
+            written: AtomicU64::new(0),
+        };
+        let n = t.count_written(file)?;
+        t.written.store(n, Ordering::Relaxed);
+        Ok(t)
+    }
+
+    /// Written records, reading only the file's data extents (SEEK_DATA /
+    /// SEEK_HOLE): the table is sparse, and a mount with few written groups
+    /// opens as fast as a fresh one, whatever its geometry.
+    fn count_written(&self, file: &File) -> io::Result<u64> {
+        use std::os::fd::AsRawFd;
+        let fd = file.as_raw_fd();
+        let len = (self.count * META_RECORD_BYTES) as i64;
+        let (mut at, mut n) = (0i64, 0u64);
+        while at < len {
+            // SAFETY: lseek on our own open fd.
+            let data = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
+            if data < 0 {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::ENXIO) {
+                    break; // no data past `at`
+                }
+                return Err(e);
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+            let end = if hole < 0 { len } else { hole.min(len) };
+            let first = data as u64 / META_RECORD_BYTES;
+            let last = (end as u64).div_ceil(META_RECORD_BYTES).min(self.count);
+            n += (first..last).filter(|&i| self.get(i).written).count() as u64;
+            at = end.max(data + 1);
+        }
+        Ok(n)
+    }
+
+    /// Groups written (back) at least once.
+    pub fn written_count(&self) -> u64 {
+        self.written.load(Ordering::Relaxed)
     }
 
     /// An anonymous table (tests, in-memory tiers): lost on drop.
     pub fn anonymous(count: u64) -> io::Result<MetaTable> {
         let map = MmapMut::map_anon((count * META_RECORD_BYTES) as usize)?;
-        Ok(MetaTable { map, count })
+        Ok(MetaTable {
+            map,
+            count,
+            written: AtomicU64::new(0),
+        })
     }
 
     pub fn count(&self) -> u64 {
@@ -112,8 +159,15 @@ impl MetaTable {
             w0 |= 1 << 9 | (d as u64 & 1) << 10;
         }
         let w1 = (m.generation & 0xffff_ffff) << 32 | m.durable_crc as u64;
+        // Writers of one record are serialised (see the module note).
+        let was = u64::from_le(w[0].load(Ordering::Acquire)) & 0xff == STATE_WRITTEN;
         w[1].store(w1.to_le(), Ordering::Release);
         w[0].store(w0.to_le(), Ordering::Release);
+        match (was, m.written) {
+            (false, true) => self.written.fetch_add(1, Ordering::Relaxed),
+            (true, false) => self.written.fetch_sub(1, Ordering::Relaxed),
+            _ => 0,
+        };
     }
 
     /// Makes one record durable.

@@ -513,6 +513,21 @@ impl Cascade {
         })
     }
 
+    /// Groups holding bytes: written back at least once (the metadata
+    /// keeps the count) or dirty in T1 and never written back. Costs a
+    /// look at each T1 slot, not at the geometry (`df`).
+    pub fn used_groups(&self) -> u64 {
+        let fresh = (0..self.n_slots as usize)
+            .filter(|&s| {
+                self.dirty[s].load(Ordering::Acquire) && {
+                    let g = self.tags[s].load(Ordering::Acquire);
+                    g != NO_GROUP && g < self.meta.count() && !self.meta.get(g).written
+                }
+            })
+            .count() as u64;
+        (self.meta.written_count() + fresh).min(self.layout.group_count())
+    }
+
     /// The groups resident in T1, sorted.
     pub fn resident(&self) -> Vec<GroupIndex> {
         let mut v: Vec<GroupIndex> = self.state.lock().map.keys().copied().collect();

@@ -432,9 +432,27 @@ impl Filesystem for KvFs {
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        // Capacity: every group of the geometry; used: groups holding bytes
+        // (written back, or dirty in T1); the rest is free.
+        // Blocks of gcd(group bytes, 4096), so a group is whole blocks.
         let l = self.cascade.layout();
-        let blocks = l.group_count() * l.group_bytes() / 4096;
-        reply.statfs(blocks, 0, 0, l.group_count(), 0, 4096, 255, 4096);
+        let (groups, used) = (l.group_count(), self.cascade.used_groups());
+        let (mut a, mut b) = (l.group_bytes(), 4096u64);
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        let per = l.group_bytes() / a;
+        let free = (groups - used) * per;
+        reply.statfs(
+            groups * per,
+            free,
+            free,
+            groups,
+            groups - used,
+            4096,
+            255,
+            a as u32,
+        );
     }
 
     fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
