@@ -38,8 +38,23 @@ enum Cmd {
     Mount(cli::mount::MountArgs),
     /// Flush every dirty group to the backing, then unmount; returns when both are done.
     Umount { mountpoint: PathBuf },
-    /// Geometry, T1 use, dirty bytes and hit ratios of a mount.
-    Stat { mountpoint: PathBuf },
+    /// Geometry, T1 use, dirty bytes and hit ratios of a mount; with
+    /// --watch, a live line a second (like iostat): reads by tier and T1
+    /// hit ratio, restore and store rates through the control file, FUSE
+    /// read and write rates, dirty bytes, evictions and write-backs a second.
+    Stat {
+        mountpoint: PathBuf,
+        /// Print a line of rates every --interval seconds until interrupted
+        /// (or --count lines).
+        #[arg(long)]
+        watch: bool,
+        /// Seconds between --watch lines.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Stop --watch after this many lines (0: never).
+        #[arg(long, default_value_t = 0)]
+        count: u64,
+    },
     /// Write back every dirty group and make it durable (the kernel does not
     /// pass sync(2)/syncfs(2) on to FUSE filesystems; this does the same job).
     Sync { mountpoint: PathBuf },
@@ -217,7 +232,18 @@ fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Mount(args) => cli::mount::mount(args)?,
         Cmd::Umount { mountpoint } => cli::mount::umount(&mountpoint)?,
-        Cmd::Stat { mountpoint } => cli::mount::stat(&mountpoint)?,
+        Cmd::Stat {
+            mountpoint,
+            watch,
+            interval,
+            count,
+        } => {
+            if watch {
+                cli::mount::stat_watch(&mountpoint, interval, count)?
+            } else {
+                cli::mount::stat(&mountpoint)?
+            }
+        }
         Cmd::Sync { mountpoint } => cli::mount::flush(&mountpoint)?,
         Cmd::Ctl { mountpoint, what } => ctl(&mountpoint, what)?,
         Cmd::Bench { what } => match what {

@@ -168,6 +168,29 @@ fn xattrs_and_stats_and_resident() {
         out.status.success() && t.contains("dirty") && t.contains("T1"),
         "{t}"
     );
+    // kvfs stat --watch: a header, then a line of rates a sample; the
+    // dirty column shows what is dirty now.
+    let out = kvfs()
+        .args(["stat", "--watch", "--interval", "0.1", "--count", "2"])
+        .arg(&m.mp)
+        .output()
+        .unwrap();
+    let t = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = t.lines().collect();
+    assert!(out.status.success() && lines.len() == 3, "{t}");
+    assert!(
+        lines[0].contains("t1 hit%")
+            && lines[0].contains("restore")
+            && lines[0].contains("evict/s")
+    );
+    assert!(lines[1].contains("KiB") || lines[1].contains(" B "), "{t}");
+    let out = kvfs()
+        .args(["stat", "--watch", "--interval", "0"])
+        .arg(&m.mp)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--interval"));
     // kvfs sync: everything clean.
     assert!(kvfs().arg("sync").arg(&m.mp).status().unwrap().success());
     assert_eq!(xattr(&g, "user.kvfs.dirty").as_deref(), Some("0"));

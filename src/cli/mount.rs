@@ -600,6 +600,91 @@ fn process_alive(pid: i32) -> bool {
     }
 }
 
+/// `kvfs stat --watch`: a line of rates every `interval` seconds, from
+/// the differences of `.kvfs/stats` between samples.
+pub fn stat_watch(mp: &Path, interval: f64, count: u64) -> Result<()> {
+    use kvfs::stats::*;
+    check_kvfs(mp)?;
+    if !(interval.is_finite() && interval >= 0.05) {
+        anyhow::bail!("--interval {interval}: give a number of seconds of at least 0.05");
+    }
+    let sample = || -> Result<(std::time::Instant, String)> {
+        Ok((std::time::Instant::now(), read_kvfs_file(mp, "stats")?))
+    };
+    let keys = [
+        "kvfs_hits_total{tier=\"t1\"}",
+        "kvfs_hits_total{tier=\"backing\"}",
+        EMPTY_READS,
+        "kvfs_control_bytes_total{op=\"restore\"}",
+        "kvfs_control_bytes_total{op=\"store\"}",
+        "kvfs_read_bytes_total{tier=\"t1\"}",
+        "kvfs_write_bytes_total{tier=\"t1\"}",
+        EVICTIONS,
+        FLUSHES,
+    ];
+    let values = |s: &str| keys.map(|k| find_sample(s, k).unwrap_or(0.0));
+    println!(
+        "{:>8} {:>9} {:>9} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>9}",
+        "time",
+        "t1 hit/s",
+        "miss/s",
+        "t1 hit%",
+        "restore",
+        "store",
+        "T1 read",
+        "T1 write",
+        "dirty",
+        "evict/s",
+        "wback/s"
+    );
+    let (mut t0, s0) = sample()?;
+    let mut prev = values(&s0);
+    let mut n = 0u64;
+    while count == 0 || n < count {
+        std::thread::sleep(std::time::Duration::from_secs_f64(interval));
+        let (t, s) = sample()?;
+        let now = values(&s);
+        let secs = (t - t0).as_secs_f64().max(1e-9);
+        let d: Vec<f64> = now
+            .iter()
+            .zip(&prev)
+            .map(|(a, b)| (a - b).max(0.0) / secs)
+            .collect();
+        let reads = d[0] + d[1];
+        let rate = |x: f64| format!("{}/s", human(x));
+        println!(
+            "{:>8} {:>9.0} {:>9.0} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8.0} {:>9.0}",
+            clock(),
+            d[0],
+            d[1],
+            if reads > 0.0 {
+                format!("{:.1}%", 100.0 * d[0] / reads)
+            } else {
+                "-".into()
+            },
+            rate(d[3]),
+            rate(d[4]),
+            rate(d[5]),
+            rate(d[6]),
+            human(find_sample(&s, DIRTY_BYTES).unwrap_or(0.0)),
+            d[7],
+            d[8]
+        );
+        (t0, prev) = (t, now);
+        n += 1;
+    }
+    Ok(())
+}
+
+/// The wall-clock time of day, UTC, as HH:MM:SS.
+fn clock() -> String {
+    let s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format!("{:02}:{:02}:{:02}", s / 3600 % 24, s / 60 % 60, s % 60)
+}
+
 pub fn stat(mp: &Path) -> Result<()> {
     check_kvfs(mp)?;
     let layout = MountLayout::from_json(&read_kvfs_file(mp, "layout")?)
