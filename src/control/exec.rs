@@ -65,9 +65,12 @@ impl Executor {
     pub(super) fn submit_ticket(&self, s: &Arc<Session>, ticket: u64, job: Job) {
         let s = s.clone();
         self.submit(Box::new(move || {
-            let guard = Unfinished(Some((s, ticket)));
+            let mut guard = Unfinished(Some((s, ticket)));
             job();
-            std::mem::forget(guard);
+            // Finished: disarm the guard and let go of the session (a
+            // forgotten guard would keep the session, and every region it
+            // registered, alive for good).
+            guard.0 = None;
         }));
     }
 }
