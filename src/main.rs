@@ -149,6 +149,18 @@ enum BenchCmd {
         /// Seed of the kill times and the writers' choices [default: from the clock].
         #[arg(long)]
         seed: Option<u64>,
+        /// The backing directory to use (e.g. on LazyFS), instead of one in --dir.
+        #[arg(long)]
+        backing: Option<PathBuf>,
+        /// Backing tier of the mounts (uring needs O_DIRECT from the
+        /// backing's filesystem; file works on any).
+        #[arg(long, default_value = "uring")]
+        tier: TierKind,
+        /// A shell command run after each kill, before the remount (a power
+        /// cut: e.g. `echo lazyfs::clear-cache > FIFO`, dropping every write
+        /// the backing's filesystem holds unsynced). It must exit 0.
+        #[arg(long)]
+        after_kill: Option<String>,
     },
     /// A mixed load with every byte checked: workers (each with its own
     /// groups) mix FUSE writes (whole and partial), reads and fsyncs with
@@ -305,13 +317,22 @@ fn run(cli: Cli) -> Result<()> {
                 cycles,
                 writers,
                 seed,
+                backing,
+                tier,
+                after_kill,
             } => {
                 let seed = seed.unwrap_or_else(clock_seed);
+                if tier == TierKind::Redis {
+                    anyhow::bail!("bench crash runs the uring or file tier");
+                }
                 kvfs::bench::crash::run(&kvfs::bench::crash::CrashBench {
                     dir,
                     cycles,
                     writers: writers.max(1),
                     seed,
+                    backing,
+                    tier,
+                    after_kill,
                 })?;
             }
             BenchCmd::Backing {

@@ -35,6 +35,11 @@ pub struct CrashBench {
     pub writers: usize,
     /// Seed of the kill times and the writers' choices.
     pub seed: u64,
+    /// A backing directory to use instead of a scratch one.
+    pub backing: Option<PathBuf>,
+    pub tier: crate::tier::TierKind,
+    /// A shell command run after each kill, before the remount.
+    pub after_kill: Option<String>,
 }
 
 /// What the writers issued and saw fsync'd, per group (0: none).
@@ -80,10 +85,11 @@ fn group_file(mp: &Path, layout: &GroupLayout, g: u64) -> PathBuf {
     mp.join(key.to_string())
 }
 
-fn mount(exe: &Path, mp: &Path, backing: &Path) -> anyhow::Result<Duration> {
+fn mount(exe: &Path, mp: &Path, backing: &Path, tier: &str) -> anyhow::Result<Duration> {
     let l = layout();
     let t = Instant::now();
     let mut child = super::mount_command(exe, mp, backing, T1, &l)
+        .args(["--tier", tier])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -243,7 +249,11 @@ pub fn run(b: &CrashBench) -> anyhow::Result<Vec<CycleReport>> {
         .tempdir_in(&b.dir)
         .with_context(|| format!("cannot make a scratch directory in {}", b.dir.display()))?;
     let mp = scratch.path().join("mnt");
-    let backing = scratch.path().join("store");
+    let backing = b
+        .backing
+        .clone()
+        .unwrap_or_else(|| scratch.path().join("store"));
+    let tier = b.tier.to_string();
     fs::create_dir_all(&mp)?;
     let n = layout().group_count() as usize;
     let ledger = Arc::new(Ledger {
@@ -254,15 +264,20 @@ pub fn run(b: &CrashBench) -> anyhow::Result<Vec<CycleReport>> {
     let mut reports = Vec::new();
     let mut failed = false;
     println!(
-        "crash cycles: {} cycles, {} writers, seed {}, {} groups of {} B, T1 {T1}",
+        "crash cycles: {} cycles, {} writers, seed {}, {} groups of {} B, T1 {T1}, backing {} ({tier}){}",
         b.cycles,
         b.writers,
         b.seed,
         n,
-        layout().group_bytes()
+        layout().group_bytes(),
+        backing.display(),
+        b.after_kill
+            .as_ref()
+            .map(|c| format!(", after each kill: {c}"))
+            .unwrap_or_default()
     );
     // The mount that verifies a cycle is the one the next cycle crashes.
-    let mut took = mount(&exe, &mp, &backing)?;
+    let mut took = mount(&exe, &mp, &backing, &tier)?;
     for cycle in 1..=b.cycles {
         let pid = super::daemon_pid(&mp)?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -283,7 +298,16 @@ pub fn run(b: &CrashBench) -> anyhow::Result<Vec<CycleReport>> {
         for t in threads {
             t.join().map_err(|_| anyhow::anyhow!("a writer panicked"))?;
         }
-        let remount = mount(&exe, &mp, &backing).context("the remount after the crash failed")?;
+        if let Some(cmd) = &b.after_kill {
+            // The dead mount point first, or the command may trip over it.
+            let _ = Command::new("umount").arg("-l").arg(&mp).status();
+            let st = Command::new("sh").args(["-c", cmd]).status()?;
+            if !st.success() {
+                bail!("--after-kill {cmd:?} failed ({st})");
+            }
+        }
+        let remount =
+            mount(&exe, &mp, &backing, &tier).context("the remount after the crash failed")?;
         let mut report = CycleReport {
             writes: counts.0.load(Ordering::Relaxed),
             fsyncs: counts.1.load(Ordering::Relaxed),
