@@ -184,6 +184,19 @@ enum BenchCmd {
         /// Seed of the workers' choices [default: from the clock].
         #[arg(long)]
         seed: Option<u64>,
+        /// Backing tier: uring (the default, local disk) or redis (a
+        /// redis-server started for the run, AOF on, killed and restarted
+        /// every --kill-every seconds: EIO and ENOSPC during its outages
+        /// are counted apart, and after a final sync every group must
+        /// verify). Needs redis-server and redis-cli for redis.
+        #[arg(long, default_value = "uring")]
+        tier: TierKind,
+        /// --tier redis: seconds between kills of the server.
+        #[arg(long, default_value_t = 5.0)]
+        kill_every: f64,
+        /// --tier redis: seconds the server stays down.
+        #[arg(long, default_value_t = 1.0)]
+        down: f64,
     },
     /// Random group reads through a backing tier, next to fio on the same file
     /// (same block size, queue depth and O_DIRECT setting).
@@ -303,13 +316,27 @@ fn run(cli: Cli) -> Result<()> {
                 dir,
                 shm,
                 seed,
+                tier,
+                kill_every,
+                down,
             } => {
+                let redis = match tier {
+                    TierKind::Redis => {
+                        if !(kill_every > 0.0 && down >= 0.0) {
+                            anyhow::bail!("--kill-every must be positive and --down not negative");
+                        }
+                        Some(kvfs::bench::soak::RedisOutages { kill_every, down })
+                    }
+                    TierKind::Uring => None,
+                    TierKind::File => anyhow::bail!("bench soak runs --tier uring or redis"),
+                };
                 kvfs::bench::soak::run(&kvfs::bench::soak::SoakBench {
                     dir,
                     shm,
                     seconds,
                     workers: workers.max(1),
                     seed: seed.unwrap_or_else(clock_seed),
+                    redis,
                 })?;
             }
             BenchCmd::Crash {

@@ -30,6 +30,17 @@ pub struct SoakBench {
     pub seconds: f64,
     pub workers: usize,
     pub seed: u64,
+    /// `--tier redis`: the backing is a redis-server (AOF, fsync always)
+    /// that is killed every `kill_every` seconds and restarted after
+    /// `down` seconds; EIO and ENOSPC during outages are counted, not
+    /// errors, and after a final sync every group must verify.
+    pub redis: Option<RedisOutages>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct RedisOutages {
+    pub kill_every: f64,
+    pub down: f64,
 }
 
 /// 4 layers × 256 blocks × 2 heads × K/V = 4096 groups of 2 KiB (16 MiB
@@ -43,7 +54,7 @@ const BATCH: usize = 32;
 /// Allowed growth of the daemon's memory beyond T1.
 const RSS_SLACK: u64 = 64 << 20;
 
-const OPS: [&str; 7] = [
+const OPS: [&str; 9] = [
     "fuse_write",
     "fuse_partial_write",
     "fuse_read",
@@ -51,7 +62,13 @@ const OPS: [&str; 7] = [
     "ctl_store",
     "ctl_restore",
     "errors",
+    "outage_errors",
+    "unchecked_reads",
 ];
+
+/// Most versions a group may be in after failed writes (either the old or
+/// the new bytes may have landed); more are folded away by reads.
+const MAX_CANDIDATES: usize = 16;
 
 fn layout() -> GroupLayout {
     GroupLayout::new(LAYERS, BLOCKS, HEADS, 16, 64, crate::geometry::Dtype::Bf16)
@@ -73,14 +90,85 @@ struct Worker {
     id: usize,
     mp: PathBuf,
     shm_path: PathBuf,
-    /// Expected bytes of each owned group, by position in `groups`.
+    /// Expected bytes of each owned group, by position in `groups`: the
+    /// versions it may hold (one, unless a write failed mid-way during an
+    /// outage: then the old bytes or the new).
     groups: Vec<u64>,
-    expect: Vec<Vec<u8>>,
-    counts: Arc<[AtomicU64; 7]>,
+    expect: Vec<Vec<Vec<u8>>>,
+    counts: Arc<[AtomicU64; 9]>,
     errors: Arc<Mutex<Vec<String>>>,
+    /// EIO and ENOSPC are outages, not errors (`--tier redis`).
+    outages: bool,
+    history: Vec<Vec<Vec<u8>>>,
 }
 
 impl Worker {
+    /// Whether an errno is an outage's (counted) rather than an error.
+    fn outage(&self, errno: Option<i32>) -> bool {
+        let soft = self.outages && matches!(errno, Some(libc::EIO) | Some(libc::ENOSPC));
+        if soft {
+            self.counts[7].fetch_add(1, Ordering::Relaxed);
+            // Back off a little, as a client of a failing store would.
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        soft
+    }
+
+    /// The group may now hold `new` as well as what it held. Past
+    /// MAX_CANDIDATES versions it is unknown (no versions) until a read or
+    /// a successful write pins it again (counted as unchecked).
+    fn maybe(&mut self, pick: usize, new: Vec<u8>) {
+        let c = &mut self.expect[pick];
+        if c.is_empty() {
+            return;
+        }
+        if !c.contains(&new) {
+            c.push(new);
+        }
+        if c.len() > MAX_CANDIDATES {
+            c.clear();
+        }
+    }
+
+    /// `got` was read: it must be one of the versions; it is the one now.
+    fn seen(&mut self, pick: usize, got: &[u8]) -> bool {
+        if self.expect[pick].is_empty() {
+            self.counts[8].fetch_add(1, Ordering::Relaxed);
+            self.expect[pick] = vec![got.to_vec()];
+            return true;
+        }
+        let ok = self.expect[pick].iter().any(|c| c == got);
+        if ok {
+            self.expect[pick] = vec![got.to_vec()];
+        } else if self.outages {
+            let age = self.history[pick].iter().rev().position(|h| h == got);
+            let at = self.history[pick].len();
+            let mut e = self.errors.lock();
+            if e.len() < 20 {
+                e.push(format!(
+                    "worker {}: group {}: {} ({} versions written, {} expected now)",
+                    self.id,
+                    self.groups[pick],
+                    match age {
+                        Some(a) => format!("an OLD version ({a} writes back)"),
+                        None => "bytes never written whole".into(),
+                    },
+                    at,
+                    self.expect[pick].len()
+                ));
+            }
+        }
+        ok
+    }
+
+    /// Remembers every version written to a group (outage runs: to tell a
+    /// stale read from garbage).
+    fn wrote(&mut self, pick: usize, v: &[u8]) {
+        if self.outages {
+            self.history[pick].push(v.to_vec());
+        }
+    }
+
     fn fail(&self, what: String) {
         self.counts[6].fetch_add(1, Ordering::Relaxed);
         let mut e = self.errors.lock();
@@ -102,7 +190,13 @@ impl Worker {
             .expect("an index below the count")
     }
 
-    fn run(mut self, stop: Arc<AtomicBool>, seed: u64) {
+    fn run(mut self, stop: Arc<AtomicBool>, seed: u64) -> Self {
+        self.work(&stop, seed);
+        self
+    }
+
+    fn work(&mut self, stop: &AtomicBool, seed: u64) {
+        self.history = vec![Vec::new(); self.groups.len()];
         let gb = layout().group_bytes() as usize;
         let mut r = Rng::new(seed);
         let client = match Client::open(&self.mp) {
@@ -139,8 +233,13 @@ impl Worker {
                     match fs::OpenOptions::new().write(true).open(self.path(g)) {
                         Ok(f) => match f.write_all_at(&scratch, 0) {
                             Ok(()) => {
-                                self.expect[pick].copy_from_slice(&scratch);
+                                self.wrote(pick, &scratch.clone());
+                                self.expect[pick] = vec![scratch.clone()];
                                 self.counts[0].fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) if self.outage(e.raw_os_error()) => {
+                                self.wrote(pick, &scratch.clone());
+                                self.maybe(pick, scratch.clone())
                             }
                             Err(e) => self.fail(format!("write {}: {e}", self.path(g).display())),
                         },
@@ -155,8 +254,27 @@ impl Worker {
                     match fs::OpenOptions::new().write(true).open(self.path(g)) {
                         Ok(f) => match f.write_all_at(&scratch[..len], off as u64) {
                             Ok(()) => {
-                                self.expect[pick][off..off + len].copy_from_slice(&scratch[..len]);
+                                for c in self.expect[pick].iter_mut() {
+                                    c[off..off + len].copy_from_slice(&scratch[..len]);
+                                }
+                                for c in self.expect[pick].clone() {
+                                    self.wrote(pick, &c);
+                                }
                                 self.counts[1].fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(e) if self.outage(e.raw_os_error()) => {
+                                let news: Vec<Vec<u8>> = self.expect[pick]
+                                    .iter()
+                                    .map(|c| {
+                                        let mut n = c.clone();
+                                        n[off..off + len].copy_from_slice(&scratch[..len]);
+                                        n
+                                    })
+                                    .collect();
+                                for n in news {
+                                    self.wrote(pick, &n);
+                                    self.maybe(pick, n);
+                                }
                             }
                             Err(e) => {
                                 self.fail(format!("partial write {}: {e}", self.path(g).display()))
@@ -167,10 +285,11 @@ impl Worker {
                 }
                 // Read and compare.
                 5..=8 => match fs::read(self.path(g)) {
-                    Ok(b) if b == self.expect[pick] => {
+                    Ok(b) if self.seen(pick, &b) => {
                         self.counts[2].fetch_add(1, Ordering::Relaxed);
                     }
                     Ok(_) => self.fail(format!("read {}: WRONG BYTES", self.path(g).display())),
+                    Err(e) if self.outage(e.raw_os_error()) => {}
                     Err(e) => self.fail(format!("read {}: {e}", self.path(g).display())),
                 },
                 9 => match fs::OpenOptions::new().write(true).open(self.path(g)) {
@@ -178,6 +297,7 @@ impl Worker {
                         Ok(()) => {
                             self.counts[3].fetch_add(1, Ordering::Relaxed);
                         }
+                        Err(e) if self.outage(e.raw_os_error()) => {}
                         Err(e) => self.fail(format!("fsync {}: {e}", self.path(g).display())),
                     },
                     Err(e) => self.fail(format!("open {}: {e}", self.path(g).display())),
@@ -197,16 +317,27 @@ impl Worker {
                         .store(&entries)
                         .and_then(|t| client.wait(t, None))
                         .and_then(|c| c.ok());
+                    let mut stored = Vec::with_capacity(picks.len());
+                    for slot in 0..picks.len() {
+                        let mut b = vec![0u8; gb];
+                        if let Err(e) = shm.read_exact_at(&mut b, (slot * gb) as u64) {
+                            return self.fail(format!("region read: {e}"));
+                        }
+                        stored.push(b);
+                    }
                     match done {
                         Ok(_) => {
-                            for (slot, &p) in picks.iter().enumerate() {
-                                if let Err(e) =
-                                    shm.read_exact_at(&mut self.expect[p], (slot * gb) as u64)
-                                {
-                                    return self.fail(format!("region read: {e}"));
-                                }
+                            for (&p, b) in picks.iter().zip(stored) {
+                                self.wrote(p, &b);
+                                self.expect[p] = vec![b];
                             }
                             self.counts[4].fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(e) if self.outage(e.errno()) => {
+                            for (&p, b) in picks.iter().zip(stored) {
+                                self.wrote(p, &b);
+                                self.maybe(p, b);
+                            }
                         }
                         Err(e) => self.fail(format!("STORE of {} groups: {e}", picks.len())),
                     }
@@ -230,7 +361,7 @@ impl Worker {
                                 {
                                     return self.fail(format!("region read: {e}"));
                                 }
-                                if scratch != self.expect[p] {
+                                if !self.seen(p, &scratch.clone()) {
                                     self.fail(format!(
                                         "RESTORE of {}: WRONG BYTES",
                                         Self::key(self.groups[p])
@@ -239,6 +370,7 @@ impl Worker {
                             }
                             self.counts[5].fetch_add(1, Ordering::Relaxed);
                         }
+                        Err(e) if self.outage(e.errno()) => {}
                         Err(e) => self.fail(format!("RESTORE of {} groups: {e}", picks.len())),
                     }
                 }
@@ -259,11 +391,13 @@ impl Worker {
     }
 }
 
-fn mount(exe: &Path, mp: &Path, backing: &Path) -> anyhow::Result<()> {
+fn mount(exe: &Path, mp: &Path, backing: &Path, remote: Option<&str>) -> anyhow::Result<()> {
     let l = layout();
-    let out = super::mount_command(exe, mp, backing, &T1_BYTES.to_string(), &l)
-        .output()
-        .context("cannot start kvfs mount")?;
+    let mut c = super::mount_command(exe, mp, backing, &T1_BYTES.to_string(), &l);
+    if let Some(url) = remote {
+        c.args(["--tier", "redis", "--remote", url]);
+    }
+    let out = c.output().context("cannot start kvfs mount")?;
     if !out.status.success() {
         bail!(
             "kvfs mount failed: {}",
@@ -283,7 +417,24 @@ pub fn run(b: &SoakBench) -> anyhow::Result<()> {
     let mp = scratch.path().join("mnt");
     let backing = scratch.path().join("store");
     fs::create_dir_all(&mp)?;
-    mount(&exe, &mp, &backing)?;
+    let server = match b.redis {
+        Some(_) => {
+            if !crate::tier::redis::testing::available() {
+                bail!("--tier redis needs redis-server and redis-cli on PATH");
+            }
+            Some(Arc::new(Mutex::new(
+                crate::tier::redis::testing::RedisServer::start(&[
+                    "--appendonly",
+                    "yes",
+                    "--appendfsync",
+                    "always",
+                ]),
+            )))
+        }
+        None => None,
+    };
+    let url = server.as_ref().map(|s| s.lock().url());
+    mount(&exe, &mp, &backing, url.as_deref())?;
     let pid = super::daemon_pid(&mp)?;
     let l = layout();
     let gb = l.group_bytes() as usize;
@@ -297,8 +448,14 @@ pub fn run(b: &SoakBench) -> anyhow::Result<()> {
         (l.group_count() * l.stride()) >> 20,
         T1_BYTES >> 20
     );
+    if let (Some(o), Some(u)) = (b.redis, &url) {
+        println!(
+            "  backing: redis-server at {u} (AOF, fsync always), killed every {:.1} s and restarted {:.1} s later",
+            o.kill_every, o.down
+        );
+    }
     let rss_start = rss_bytes(pid)?;
-    let counts: Arc<[AtomicU64; 7]> = Arc::new(Default::default());
+    let counts: Arc<[AtomicU64; 9]> = Arc::new(Default::default());
     let errors = Arc::new(Mutex::new(Vec::new()));
     let stop = Arc::new(AtomicBool::new(false));
     let mut seeds = Rng::new(b.seed);
@@ -311,15 +468,43 @@ pub fn run(b: &SoakBench) -> anyhow::Result<()> {
                 id,
                 mp: mp.clone(),
                 shm_path: b.shm.join(format!("kvfs-soak-{}-{id}", std::process::id())),
-                expect: vec![vec![0u8; gb]; groups.len()],
+                expect: vec![vec![vec![0u8; gb]]; groups.len()],
                 groups,
                 counts: counts.clone(),
                 errors: errors.clone(),
+                outages: b.redis.is_some(),
+                history: Vec::new(),
             };
             let (stop, seed) = (stop.clone(), seeds.next_u64());
             std::thread::spawn(move || w.run(stop, seed))
         })
         .collect();
+    // The outages: SIGKILL, a pause, a restart on the same port and AOF.
+    let killer = match (b.redis, &server) {
+        (Some(o), Some(srv)) => {
+            let (stop, srv) = (stop.clone(), srv.clone());
+            Some(std::thread::spawn(move || {
+                let mut kills = 0u64;
+                let nap = |secs: f64, stop: &AtomicBool| {
+                    let t = Instant::now();
+                    while t.elapsed().as_secs_f64() < secs && !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                };
+                loop {
+                    nap(o.kill_every, &stop);
+                    if stop.load(Ordering::Relaxed) {
+                        return kills;
+                    }
+                    srv.lock().kill();
+                    kills += 1;
+                    nap(o.down, &AtomicBool::new(false));
+                    srv.lock().restart();
+                }
+            }))
+        }
+        _ => None,
+    };
     let t = Instant::now();
     let mut rss_max = rss_start;
     let mut next_report = Duration::from_secs(60);
@@ -338,17 +523,69 @@ pub fn run(b: &SoakBench) -> anyhow::Result<()> {
         }
     }
     stop.store(true, Ordering::Relaxed);
+    let mut workers = Vec::new();
     for th in threads {
-        th.join()
-            .map_err(|_| anyhow::anyhow!("a worker panicked"))?;
+        workers.push(
+            th.join()
+                .map_err(|_| anyhow::anyhow!("a worker panicked"))?,
+        );
     }
     let secs = t.elapsed().as_secs_f64();
+    if let Some(k) = killer {
+        let kills = k
+            .join()
+            .map_err(|_| anyhow::anyhow!("the outage thread panicked"))?;
+        // The server is up: a sync must succeed (retried while the tier
+        // reconnects), then every group must hold one of its versions.
+        let t = Instant::now();
+        loop {
+            let out = Command::new(&exe).arg("sync").arg(&mp).output()?;
+            if out.status.success() {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                bail!(
+                    "kvfs sync still fails 60 s after the last outage: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let mut bad = 0u64;
+        for w in &workers {
+            for (pick, &g) in w.groups.iter().enumerate() {
+                match fs::read(w.path(g)) {
+                    Ok(b) if w.expect[pick].is_empty() || w.expect[pick].contains(&b) => {}
+                    Ok(_) => {
+                        bad += 1;
+                        errors
+                            .lock()
+                            .push(format!("final check {}: WRONG BYTES", w.path(g).display()));
+                    }
+                    Err(e) => {
+                        bad += 1;
+                        errors
+                            .lock()
+                            .push(format!("final check {}: {e}", w.path(g).display()));
+                    }
+                }
+            }
+        }
+        counts[6].fetch_add(bad, Ordering::Relaxed);
+        println!(
+            "  {kills} outages (redis-server killed and restarted); after a final sync, {} groups checked: {bad} wrong or unreadable",
+            l.group_count()
+        );
+    }
     let rss_end = rss_bytes(pid)?;
     let out = Command::new(&exe).arg("umount").arg(&mp).output()?;
     let umount_ok = out.status.success();
     let c: Vec<u64> = counts.iter().map(|c| c.load(Ordering::Relaxed)).collect();
     let total: u64 = c[..6].iter().sum();
     for (name, n) in OPS.iter().zip(&c) {
+        if (*name == "outage_errors" || *name == "unchecked_reads") && b.redis.is_none() {
+            continue;
+        }
         println!("  {name:<20} {n:>12}");
     }
     println!(
