@@ -30,6 +30,7 @@ for p in 512 2048; do echo "== e2e 16 KiB strided (64 rows of 256 B, pitch $p), 
 timeout -k 2 20 $B umount /mnt/kr; rm -rf /tmp/br
 echo "== engine layouts in GPU memory"; KVFS_MOUNT=/mnt/k16 PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_layouts.py 2>&1 | tail -8 || fail=1
 echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 | tail -10 || fail=1
+echo "== dying GPU clients"; timeout -k 5 300 python3 tools/gpu_dying_clients.py /mnt/k16 --kills 100 2>&1 | grep -v CudaIPC | tail -3 || fail=1
 echo "== GPU checks: $([ $fail = 0 ] && echo all passed || echo SOME FAILED)"
 for m in k16 k4 kg; do timeout -k 2 20 $B umount /mnt/$m; done
 echo "== daemon log"; tail -n 30 /tmp/b16/kvfs.log

@@ -1,0 +1,106 @@
+"""Clients that die with GPU work in flight, against a running mount:
+100 fresh clients in a row, each registering CUDA tensors (CUDA IPC
+regions), submitting RESTOREs into and STOREs out of GPU memory without
+waiting, then killed with SIGKILL. Afterwards the daemon must still
+serve, and its resident memory, pinned host memory (VmPin/VmLck), open
+files, mappings and device memory must be flat (figures before and after).
+
+    python3 tools/gpu_dying_clients.py MOUNT [--kills 100]
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from kvfs import Kvfs
+kv = Kvfs(sys.argv[1])
+g = kv.layout
+gb, n = g["group_bytes"], min(g["groups"], 1024)
+keys = []
+for i in range(n):
+    j = i // 2
+    keys.append((j // (g["kv_heads"] * g["blocks"]) % g["layers"], (j // g["kv_heads"]) % g["blocks"],
+                 j % g["kv_heads"], "KV"[i % 2]))
+src = torch.randint(0, 256, (n * gb,), dtype=torch.uint8, device="cuda")
+dst = torch.empty(n * gb, dtype=torch.uint8, device="cuda")
+rs, rd = kv.register_tensor(src), kv.register_tensor(dst)
+torch.cuda.synchronize()
+kv.store([k + (rs, i * gb) for i, k in enumerate(keys)])
+st = kv.encode_entries([k + (rs, i * gb) for i, k in enumerate(keys)])
+re = kv.encode_entries([k + (rd, i * gb) for i, k in enumerate(keys)])
+for _ in range(8):
+    kv.restore(re, wait=False)
+    kv.store(st, wait=False)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def daemon(mount):
+    pid = int(open(os.path.join(mount, ".kvfs", "pid")).read())
+    st = open(f"/proc/{pid}/status").read()
+    kb = {l.split(":")[0]: int(l.split()[1]) for l in st.splitlines()
+          if l.split(":")[0] in ("VmRSS", "VmPin", "VmLck")}
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    maps = sum(1 for _ in open(f"/proc/{pid}/maps"))
+    dev = 0
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True).stdout
+        dev = sum(int(l.split(",")[1]) for l in out.splitlines() if l.split(",")[0].strip() == str(pid))
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"rss_kib": kb.get("VmRSS", 0), "pinned_kib": max(kb.get("VmPin", 0), kb.get("VmLck", 0)),
+            "fds": fds, "maps": maps, "device_mib": dev}
+
+
+def kill_one(mount):
+    p = subprocess.Popen([sys.executable, "-c", CHILD, mount, os.path.join(HERE, "python")],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline().strip()
+    if line != "ready":
+        p.kill()
+        raise SystemExit(f"a client did not get its GPU tickets in flight: {line!r}")
+    p.kill()
+    p.wait()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mount")
+    ap.add_argument("--kills", type=int, default=100)
+    a = ap.parse_args()
+    for _ in range(5):  # warm-up: pools, the CUDA context, IPC caches
+        kill_one(a.mount)
+    time.sleep(1)
+    before = daemon(a.mount)
+    t = time.time()
+    for _ in range(a.kills):
+        kill_one(a.mount)
+    after = before
+    for _ in range(50):
+        time.sleep(0.2)
+        after = daemon(a.mount)
+        if after["fds"] <= before["fds"] and after["maps"] <= before["maps"]:
+            break
+    print(f"{a.kills} clients killed with GPU tickets in flight in {time.time() - t:.0f} s; daemon before -> after: "
+          + ", ".join(f"{k} {before[k]} -> {after[k]}" for k in before))
+    sys.path.insert(0, os.path.join(HERE, "python"))
+    from kvfs import Kvfs
+    with Kvfs(a.mount) as kv:
+        kv.query([(0, 0, 0, "K")])
+    ok = (after["fds"] <= before["fds"] and after["maps"] <= before["maps"]
+          and after["rss_kib"] <= before["rss_kib"] + 64 * 1024 and after["pinned_kib"] <= before["pinned_kib"]
+          and after["device_mib"] <= before["device_mib"] + 64)
+    print("dying GPU clients: " + ("flat, still serving" if ok else "GREW"))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
