@@ -373,30 +373,8 @@ pub struct RingClient {
     cq_head: u32,
 }
 
-use crate::control::ring::{CQE_BYTES, RING_HEADER_BYTES, SQE_BYTES, ring_bytes};
+use crate::control::ring::{CQE_BYTES, RING_HEADER_BYTES, SQE_BYTES, futex, ring_bytes};
 use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
-
-fn futex(word: &AtomicU32, op: i32, val: u32, timeout: Option<Duration>) {
-    let ts = timeout.map(|d| libc::timespec {
-        tv_sec: d.as_secs() as libc::time_t,
-        tv_nsec: d.subsec_nanos() as libc::c_long,
-    });
-    let tsp = ts
-        .as_ref()
-        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
-    // SAFETY: word is an aligned u32 of the shared ring mapping.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            op,
-            val,
-            tsp,
-            std::ptr::null::<u32>(),
-            0,
-        );
-    }
-}
 
 impl Client {
     /// Sets up this fd's ring: `entries` (a power of two) submission and

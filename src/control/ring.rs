@@ -78,6 +78,19 @@ pub(super) struct Cqe {
     pub failed: u32,
 }
 
+impl Cqe {
+    /// The completion of `ticket` from its finished reply.
+    pub(super) fn of(user_data: u64, ticket: u64, r: &super::wire::Reply) -> Cqe {
+        Cqe {
+            user_data,
+            ticket,
+            status: r.status,
+            entry: r.entry,
+            failed: r.failed,
+        }
+    }
+}
+
 /// A session's ring (see the module note).
 pub struct Ring {
     region: Arc<Region>,
@@ -96,7 +109,10 @@ unsafe impl Send for Ring {}
 // SAFETY: as for Send.
 unsafe impl Sync for Ring {}
 
-fn futex(addr: &AtomicU32, op: i32, val: u32, timeout: Option<Duration>) {
+/// futex(2) on a u32 of a shared mapping (FUTEX_WAIT with `val` and an
+/// optional timeout, or FUTEX_WAKE of `val` waiters); the daemon's ring
+/// thread and the Rust client both use it.
+pub fn futex(addr: &AtomicU32, op: i32, val: u32, timeout: Option<Duration>) {
     let ts = timeout.map(|d| libc::timespec {
         tv_sec: d.as_secs() as libc::time_t,
         tv_nsec: d.subsec_nanos() as libc::c_long,

@@ -548,13 +548,7 @@ impl Session {
         match st.collect(ticket) {
             Some(r) => {
                 drop(st);
-                ring.post(Cqe {
-                    user_data,
-                    ticket,
-                    status: r.status,
-                    entry: r.entry,
-                    failed: r.failed,
-                });
+                ring.post(Cqe::of(user_data, ticket, &r));
             }
             None => {
                 st.ring_tickets.insert(ticket, user_data);
@@ -626,13 +620,7 @@ impl Session {
                 let ring = st.ring.clone();
                 drop(st);
                 if let Some(ring) = ring {
-                    ring.post(Cqe {
-                        user_data,
-                        ticket,
-                        status: r.status,
-                        entry: r.entry,
-                        failed: r.failed,
-                    });
+                    ring.post(Cqe::of(user_data, ticket, &r));
                 }
                 return;
             }
