@@ -161,6 +161,13 @@ enum BenchCmd {
         /// the backing's filesystem holds unsynced). It must exit 0.
         #[arg(long)]
         after_kill: Option<String>,
+        /// After each kill, a simulated power cut: the daemon keeps a
+        /// durable image of its data and metadata files (what completed
+        /// syncs covered), and every 4 KiB page that differs from it gets
+        /// its written or its durable bytes at random (any subset of the
+        /// unsynced writes, in any order). Needs --tier file.
+        #[arg(long)]
+        power_loss: bool,
     },
     /// A mixed load with every byte checked: workers (each with its own
     /// groups) mix FUSE writes (whole and partial), reads and fsyncs with
@@ -347,6 +354,7 @@ fn run(cli: Cli) -> Result<()> {
                 backing,
                 tier,
                 after_kill,
+                power_loss,
             } => {
                 let seed = seed.unwrap_or_else(clock_seed);
                 if tier == TierKind::Redis {
@@ -360,6 +368,7 @@ fn run(cli: Cli) -> Result<()> {
                     backing,
                     tier,
                     after_kill,
+                    power_loss,
                 })?;
             }
             BenchCmd::Backing {

@@ -40,6 +40,10 @@ pub struct CrashBench {
     pub tier: crate::tier::TierKind,
     /// A shell command run after each kill, before the remount.
     pub after_kill: Option<String>,
+    /// After each kill, a simulated power cut (`tier::shadow`): every page
+    /// of the data and metadata files not covered by a completed sync gets
+    /// its written or its durable bytes, at random.
+    pub power_loss: bool,
 }
 
 /// What the writers issued and saw fsync'd, per group (0: none).
@@ -85,10 +89,20 @@ fn group_file(mp: &Path, layout: &GroupLayout, g: u64) -> PathBuf {
     mp.join(key.to_string())
 }
 
-fn mount(exe: &Path, mp: &Path, backing: &Path, tier: &str) -> anyhow::Result<Duration> {
+fn mount(
+    exe: &Path,
+    mp: &Path,
+    backing: &Path,
+    tier: &str,
+    power_loss: bool,
+) -> anyhow::Result<Duration> {
     let l = layout();
     let t = Instant::now();
-    let mut child = super::mount_command(exe, mp, backing, T1, &l)
+    let mut c = super::mount_command(exe, mp, backing, T1, &l);
+    if power_loss {
+        c.env("KVFS_CRASH_SHADOW", "1");
+    }
+    let mut child = c
         .args(["--tier", tier])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -275,9 +289,18 @@ pub fn run(b: &CrashBench) -> anyhow::Result<Vec<CycleReport>> {
             .as_ref()
             .map(|c| format!(", after each kill: {c}"))
             .unwrap_or_default()
+            + if b.power_loss {
+                ", after each kill: a simulated power cut (unsynced 4 KiB pages of the data and metadata files kept or lost at random)"
+            } else {
+                ""
+            }
     );
     // The mount that verifies a cycle is the one the next cycle crashes.
-    let mut took = mount(&exe, &mp, &backing, &tier)?;
+    if b.power_loss && b.tier != crate::tier::TierKind::File {
+        bail!("--power-loss needs --tier file (the durable image follows the file tier's syncs)");
+    }
+    let mut took = mount(&exe, &mp, &backing, &tier, b.power_loss)?;
+    let (mut cut_pages, mut cut_reverted) = (0u64, 0u64);
     for cycle in 1..=b.cycles {
         let pid = super::daemon_pid(&mp)?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -306,8 +329,24 @@ pub fn run(b: &CrashBench) -> anyhow::Result<Vec<CycleReport>> {
                 bail!("--after-kill {cmd:?} failed ({st})");
             }
         }
-        let remount =
-            mount(&exe, &mp, &backing, &tier).context("the remount after the crash failed")?;
+        let mut cut = String::new();
+        if b.power_loss {
+            let _ = Command::new("umount").arg("-l").arg(&mp).status();
+            let (mut d, mut r) = (0, 0);
+            for name in ["data", "meta"] {
+                let (dd, rr) = crate::tier::shadow::power_cut(&backing.join(name), || {
+                    rng.next_u64().is_multiple_of(2)
+                })
+                .with_context(|| format!("the power cut on {name}"))?;
+                d += dd;
+                r += rr;
+            }
+            cut = format!("; power cut: {d} unsynced pages, {r} of them lost");
+            cut_pages += d;
+            cut_reverted += r;
+        }
+        let remount = mount(&exe, &mp, &backing, &tier, b.power_loss)
+            .context("the remount after the crash failed")?;
         let mut report = CycleReport {
             writes: counts.0.load(Ordering::Relaxed),
             fsyncs: counts.1.load(Ordering::Relaxed),
@@ -316,7 +355,7 @@ pub fn run(b: &CrashBench) -> anyhow::Result<Vec<CycleReport>> {
         let problems = verify(&mp, &ledger, &mut report);
         report.recovered = recovered_reads(&mp);
         println!(
-            "cycle {cycle:3}: mounted in {:>6.1} ms, killed after {:>3} ms ({} writes, {} fsync'd); remounted in {:>6.1} ms; {} groups: {} torn (EIO, never fsync'd), {} served from the synced copy, {} silent corruptions, {} fsync'd groups lost",
+            "cycle {cycle:3}: mounted in {:>6.1} ms, killed after {:>3} ms ({} writes, {} fsync'd){cut}; remounted in {:>6.1} ms; {} groups: {} torn (EIO, never fsync'd), {} served from the synced copy, {} silent corruptions, {} fsync'd groups lost",
             took.as_secs_f64() * 1e3,
             after.as_millis(),
             report.writes,
@@ -343,6 +382,11 @@ pub fn run(b: &CrashBench) -> anyhow::Result<Vec<CycleReport>> {
         );
     }
     let sum = |f: fn(&CycleReport) -> u64| reports.iter().map(f).sum::<u64>();
+    if b.power_loss {
+        println!(
+            "power cuts: {cut_pages} unsynced pages of the data and metadata files found after the kills, {cut_reverted} of them given their durable bytes back"
+        );
+    }
     println!(
         "total: {} cycles, {} writes, {} fsync'd; {} torn (EIO, never fsync'd), {} served from the synced copy, {} silent corruptions, {} fsync'd groups lost",
         reports.len(),

@@ -49,6 +49,8 @@ pub struct MetaTable {
     count: u64,
     /// Records in the written state (kept by `set`).
     written: AtomicU64,
+    /// The durable image, for power-loss tests (`tier::shadow`).
+    shadow: Option<crate::tier::shadow::Shadow>,
 }
 
 impl MetaTable {
@@ -70,6 +72,7 @@ impl MetaTable {
             map,
             count,
             written: AtomicU64::new(0),
+            shadow: None,
         };
         let n = t.count_written(file)?;
         t.written.store(n, Ordering::Relaxed);
@@ -105,6 +108,12 @@ impl MetaTable {
         Ok(n)
     }
 
+    /// Keeps a durable image of the file at `path` (power-loss tests).
+    pub fn keep_durable_image(&mut self, path: &std::path::Path, file: &File) -> io::Result<()> {
+        self.shadow = Some(crate::tier::shadow::Shadow::open(path, file)?);
+        Ok(())
+    }
+
     /// Groups written (back) at least once.
     pub fn written_count(&self) -> u64 {
         self.written.load(Ordering::Relaxed)
@@ -117,6 +126,7 @@ impl MetaTable {
             map,
             count,
             written: AtomicU64::new(0),
+            shadow: None,
         })
     }
 
@@ -163,6 +173,9 @@ impl MetaTable {
         let was = u64::from_le(w[0].load(Ordering::Acquire)) & 0xff == STATE_WRITTEN;
         w[1].store(w1.to_le(), Ordering::Release);
         w[0].store(w0.to_le(), Ordering::Release);
+        if let Some(s) = &self.shadow {
+            s.wrote(index * META_RECORD_BYTES, META_RECORD_BYTES);
+        }
         match (was, m.written) {
             (false, true) => self.written.fetch_add(1, Ordering::Relaxed),
             (true, false) => self.written.fetch_sub(1, Ordering::Relaxed),
@@ -173,11 +186,24 @@ impl MetaTable {
     /// Makes one record durable.
     pub fn flush_one(&self, index: u64) -> io::Result<()> {
         let at = (index * META_RECORD_BYTES) as usize;
-        self.map.flush_range(at, META_RECORD_BYTES as usize)
+        let pages = self
+            .shadow
+            .as_ref()
+            .map(|s| s.range_before_sync(&self.map, at as u64, META_RECORD_BYTES));
+        self.map.flush_range(at, META_RECORD_BYTES as usize)?;
+        if let (Some(s), Some(p)) = (&self.shadow, pages) {
+            s.after_sync(p);
+        }
+        Ok(())
     }
 
     /// Makes every record durable.
     pub fn flush_all(&self) -> io::Result<()> {
-        self.map.flush()
+        let pages = self.shadow.as_ref().map(|s| s.all_before_sync(&self.map));
+        self.map.flush()?;
+        if let (Some(s), Some(p)) = (&self.shadow, pages) {
+            s.after_sync(p);
+        }
+        Ok(())
     }
 }

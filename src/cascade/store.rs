@@ -189,11 +189,15 @@ impl Backing {
             &meta_path,
             "cannot reserve the metadata file's space",
         ))?;
-        let meta =
+        let mut meta =
             MetaTable::open(&meta_file, layout.group_count()).map_err(|e| StoreError::Damaged {
                 path: meta_path.clone(),
                 why: e.to_string(),
             })?;
+        if crate::tier::shadow::enabled() {
+            meta.keep_durable_image(&meta_path, &meta_file)
+                .map_err(io_at(&meta_path, "cannot make its durable image"))?;
+        }
         let (tier, notes) = match sb.location {
             Location::Local => (
                 open_tier(cfg.tier, &data_path, layout, cfg.queue_depth)

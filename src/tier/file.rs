@@ -12,6 +12,8 @@ use std::path::Path;
 pub struct FileTier {
     file: File,
     layout: GroupLayout,
+    /// The durable image, for power-loss tests (see `shadow`).
+    shadow: Option<super::shadow::Shadow>,
 }
 
 impl FileTier {
@@ -23,7 +25,15 @@ impl FileTier {
             .create(true)
             .truncate(false)
             .open(path)?;
-        Ok(FileTier { file, layout })
+        let shadow = match super::shadow::enabled() {
+            true => Some(super::shadow::Shadow::open(path, &file)?),
+            false => None,
+        };
+        Ok(FileTier {
+            file,
+            layout,
+            shadow,
+        })
     }
 }
 
@@ -73,14 +83,25 @@ impl Tier for FileTier {
         ops.iter()
             .map(|op| {
                 check_op(&self.layout, op.index, op.buf)?;
+                let at = self.layout.offset(op.index);
                 self.file
-                    .write_all_at(op.buf, self.layout.offset(op.index))
-                    .map_err(|e| io_err(Op::Write, &self.layout, op.index, e))
+                    .write_all_at(op.buf, at)
+                    .map_err(|e| io_err(Op::Write, &self.layout, op.index, e))?;
+                // Recorded once written: a sync taking it then reads it.
+                if let Some(s) = &self.shadow {
+                    s.wrote(at, op.buf.len() as u64);
+                }
+                Ok(())
             })
             .collect()
     }
 
     fn sync(&self) -> Result<(), TierError> {
-        self.file.sync_data().map_err(TierError::Sync)
+        let pages = self.shadow.as_ref().map(|s| s.before_sync(&self.file));
+        self.file.sync_data().map_err(TierError::Sync)?;
+        if let (Some(s), Some(p)) = (&self.shadow, pages) {
+            s.after_sync(p);
+        }
+        Ok(())
     }
 }

@@ -14,6 +14,7 @@ mod fault;
 mod file;
 mod mem;
 pub mod redis;
+pub mod shadow;
 mod uring;
 
 pub use self::redis::{RedisTier, RemoteConfig};
