@@ -186,6 +186,7 @@ impl MetaTable {
     /// Makes one record durable.
     pub fn flush_one(&self, index: u64) -> io::Result<()> {
         let at = (index * META_RECORD_BYTES) as usize;
+        let _one = self.shadow.as_ref().map(|s| s.sync_guard());
         let pages = self
             .shadow
             .as_ref()
@@ -199,6 +200,7 @@ impl MetaTable {
 
     /// Makes every record durable.
     pub fn flush_all(&self) -> io::Result<()> {
+        let _one = self.shadow.as_ref().map(|s| s.sync_guard());
         let pages = self.shadow.as_ref().map(|s| s.all_before_sync(&self.map));
         self.map.flush()?;
         if let (Some(s), Some(p)) = (&self.shadow, pages) {

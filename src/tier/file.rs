@@ -97,6 +97,7 @@ impl Tier for FileTier {
     }
 
     fn sync(&self) -> Result<(), TierError> {
+        let _one = self.shadow.as_ref().map(|s| s.sync_guard());
         let pages = self.shadow.as_ref().map(|s| s.before_sync(&self.file));
         self.file.sync_data().map_err(TierError::Sync)?;
         if let (Some(s), Some(p)) = (&self.shadow, pages) {

@@ -37,6 +37,10 @@ pub struct Shadow {
     image: File,
     /// Pages written since the last sync.
     dirty: parking_lot::Mutex<BTreeSet<u64>>,
+    /// Held across a whole sync (read, sync, copy): with two at once, the
+    /// one that returns first could find pages the other took not yet in
+    /// the image, or an older snapshot could land over a newer one.
+    one: parking_lot::Mutex<()>,
 }
 
 impl Shadow {
@@ -61,6 +65,7 @@ impl Shadow {
         Ok(Shadow {
             image,
             dirty: parking_lot::Mutex::new(BTreeSet::new()),
+            one: parking_lot::Mutex::new(()),
         })
     }
 
@@ -73,6 +78,11 @@ impl Shadow {
         for p in offset / PAGE..=(offset + len - 1) / PAGE {
             d.insert(p);
         }
+    }
+
+    /// Held by a sync from before its reads to after its copies.
+    pub fn sync_guard(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.one.lock()
     }
 
     /// The pages written so far, read now (before the sync starts).
@@ -175,6 +185,7 @@ mod tests {
             .unwrap();
         f.write_all_at(&[1u8; 3 * PAGE as usize], 0).unwrap();
         let s = Shadow::open(&path, &f).unwrap(); // all three pages durable
+        let _one = s.sync_guard();
         // Page 0 rewritten and synced; page 1 rewritten, not synced; page 2
         // rewritten after the sync took its pages.
         f.write_all_at(&[2u8; PAGE as usize], 0).unwrap();
