@@ -40,7 +40,7 @@ enum Cmd {
     Umount { mountpoint: PathBuf },
     /// Geometry, T1 use, dirty bytes and hit ratios of a mount; with
     /// --watch, a live line a second (like iostat): reads by tier and T1
-    /// hit ratio, restore and store rates through the control file, FUSE
+    /// hit ratio, restore and store rates through the control file, T1
     /// read and write rates, dirty bytes, evictions and write-backs a second.
     Stat {
         mountpoint: PathBuf,
