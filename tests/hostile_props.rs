@@ -40,6 +40,14 @@ fn canonical_request(b: &[u8], h: &Header) -> Vec<u8> {
             if h.arg0 & ENTRIES_IN_REGION == 0 {
                 // arg0's high 32 bits and arg1.
                 c[20..32].fill(0);
+                if h.arg0 & kvfs::control::wire::ENTRIES_STRIDED != 0 {
+                    // A strided entry's pad u32 (after row_bytes).
+                    for e in
+                        c[HEADER_BYTES..].chunks_exact_mut(kvfs::control::wire::STRIDED_ENTRY_BYTES)
+                    {
+                        e[36..40].fill(0);
+                    }
+                }
             }
         }
         Command::Query | Command::Prefetch => {
