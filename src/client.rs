@@ -373,7 +373,10 @@ pub struct RingClient {
     cq_head: u32,
 }
 
-use crate::control::ring::{CQE_BYTES, RING_HEADER_BYTES, SQE_BYTES, futex, ring_bytes};
+use crate::control::ring::{
+    CQ_HEAD, CQ_TAIL, CQ_WAITING, CQE_BYTES, RING_HEADER_BYTES, SQ_HEAD, SQ_SLEEPING, SQ_TAIL,
+    SQE_BYTES, futex, ring_bytes,
+};
 use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
 
 impl Client {
@@ -456,7 +459,7 @@ impl RingClient {
 
     /// Submission slots free now.
     pub fn room(&self) -> u32 {
-        let head = self.word(0).load(AtomicOrdering::Acquire);
+        let head = self.word(SQ_HEAD).load(AtomicOrdering::Acquire);
         self.entries - self.sq_tail.wrapping_sub(head)
     }
 
@@ -500,17 +503,18 @@ impl RingClient {
         s[16..24].copy_from_slice(&arg0.to_le_bytes());
         s[24..32].copy_from_slice(&arg1.to_le_bytes());
         self.sq_tail = self.sq_tail.wrapping_add(1);
-        self.word(64).store(self.sq_tail, AtomicOrdering::Release);
+        self.word(SQ_TAIL)
+            .store(self.sq_tail, AtomicOrdering::Release);
         std::sync::atomic::fence(AtomicOrdering::SeqCst);
-        if self.word(256).load(AtomicOrdering::Acquire) != 0 {
-            futex(self.word(64), libc::FUTEX_WAKE, i32::MAX as u32, None);
+        if self.word(SQ_SLEEPING).load(AtomicOrdering::Acquire) != 0 {
+            futex(self.word(SQ_TAIL), libc::FUTEX_WAKE, i32::MAX as u32, None);
         }
         true
     }
 
     /// Completions ready now (at most `max`), reaped.
     pub fn peek(&mut self, max: usize) -> Vec<RingCompletion> {
-        let tail = self.word(192).load(AtomicOrdering::Acquire);
+        let tail = self.word(CQ_TAIL).load(AtomicOrdering::Acquire);
         let mut out = Vec::new();
         while self.cq_head != tail && out.len() < max {
             let slot = (self.cq_head & (self.entries - 1)) as usize;
@@ -528,7 +532,8 @@ impl RingClient {
             });
             self.cq_head = self.cq_head.wrapping_add(1);
         }
-        self.word(128).store(self.cq_head, AtomicOrdering::Release);
+        self.word(CQ_HEAD)
+            .store(self.cq_head, AtomicOrdering::Release);
         out
     }
 
@@ -547,23 +552,23 @@ impl RingClient {
             if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
                 break;
             }
-            let tail = self.word(192).load(AtomicOrdering::Acquire);
+            let tail = self.word(CQ_TAIL).load(AtomicOrdering::Acquire);
             if tail == self.cq_head {
                 spins += 1;
                 if spins < 200 {
                     std::hint::spin_loop();
                 } else {
-                    self.word(320).store(1, AtomicOrdering::Release);
+                    self.word(CQ_WAITING).store(1, AtomicOrdering::Release);
                     std::sync::atomic::fence(AtomicOrdering::SeqCst);
-                    if self.word(192).load(AtomicOrdering::Acquire) == self.cq_head {
+                    if self.word(CQ_TAIL).load(AtomicOrdering::Acquire) == self.cq_head {
                         futex(
-                            self.word(192),
+                            self.word(CQ_TAIL),
                             libc::FUTEX_WAIT,
                             tail,
                             Some(Duration::from_millis(10)),
                         );
                     }
-                    self.word(320).store(0, AtomicOrdering::Release);
+                    self.word(CQ_WAITING).store(0, AtomicOrdering::Release);
                 }
                 continue;
             }

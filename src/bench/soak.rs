@@ -233,12 +233,12 @@ impl Worker {
                     match fs::OpenOptions::new().write(true).open(self.path(g)) {
                         Ok(f) => match f.write_all_at(&scratch, 0) {
                             Ok(()) => {
-                                self.wrote(pick, &scratch.clone());
+                                self.wrote(pick, &scratch);
                                 self.expect[pick] = vec![scratch.clone()];
                                 self.counts[0].fetch_add(1, Ordering::Relaxed);
                             }
                             Err(e) if self.outage(e.raw_os_error()) => {
-                                self.wrote(pick, &scratch.clone());
+                                self.wrote(pick, &scratch);
                                 self.maybe(pick, scratch.clone())
                             }
                             Err(e) => self.fail(format!("write {}: {e}", self.path(g).display())),
@@ -361,7 +361,7 @@ impl Worker {
                                 {
                                     return self.fail(format!("region read: {e}"));
                                 }
-                                if !self.seen(p, &scratch.clone()) {
+                                if !self.seen(p, &scratch) {
                                     self.fail(format!(
                                         "RESTORE of {}: WRONG BYTES",
                                         Self::key(self.groups[p])

@@ -52,12 +52,12 @@ pub const SQE_BYTES: u64 = 32;
 pub const CQE_BYTES: u64 = 32;
 pub const MAX_RING_ENTRIES: u32 = 1 << 16;
 
-const SQ_HEAD: usize = 0;
-const SQ_TAIL: usize = 64;
-const CQ_HEAD: usize = 128;
-const CQ_TAIL: usize = 192;
-const SQ_SLEEPING: usize = 256;
-const CQ_WAITING: usize = 320;
+pub const SQ_HEAD: usize = 0;
+pub const SQ_TAIL: usize = 64;
+pub const CQ_HEAD: usize = 128;
+pub const CQ_TAIL: usize = 192;
+pub const SQ_SLEEPING: usize = 256;
+pub const CQ_WAITING: usize = 320;
 
 /// How long the ring thread looks for new submissions before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);

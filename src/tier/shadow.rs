@@ -109,14 +109,7 @@ impl Shadow {
     /// `before_sync` for a file seen through a mapping (`file_bytes`).
     pub fn all_before_sync(&self, file_bytes: &[u8]) -> Vec<(u64, Vec<u8>)> {
         let pages = std::mem::take(&mut *self.dirty.lock());
-        pages
-            .into_iter()
-            .filter_map(|p| {
-                let at = (p * PAGE) as usize;
-                let end = (at + PAGE as usize).min(file_bytes.len());
-                (at < end).then(|| (p, file_bytes[at..end].to_vec()))
-            })
-            .collect()
+        page_bytes(file_bytes, pages)
     }
 
     /// A sync of `[offset, offset + len)` only (an msync of a range):
@@ -127,16 +120,27 @@ impl Shadow {
         offset: u64,
         len: u64,
     ) -> Vec<(u64, Vec<u8>)> {
-        let mut d = self.dirty.lock();
-        (offset / PAGE..=(offset + len.max(1) - 1) / PAGE)
-            .filter_map(|p| {
+        let pages = offset / PAGE..=(offset + len.max(1) - 1) / PAGE;
+        {
+            let mut d = self.dirty.lock();
+            for p in pages.clone() {
                 d.remove(&p);
-                let at = (p * PAGE) as usize;
-                let end = (at + PAGE as usize).min(file_bytes.len());
-                (at < end).then(|| (p, file_bytes[at..end].to_vec()))
-            })
-            .collect()
+            }
+        }
+        page_bytes(file_bytes, pages)
     }
+}
+
+/// The bytes of `pages` of a mapped file (a last page may be short).
+fn page_bytes(file_bytes: &[u8], pages: impl IntoIterator<Item = u64>) -> Vec<(u64, Vec<u8>)> {
+    pages
+        .into_iter()
+        .filter_map(|p| {
+            let at = (p * PAGE) as usize;
+            let end = (at + PAGE as usize).min(file_bytes.len());
+            (at < end).then(|| (p, file_bytes[at..end].to_vec()))
+        })
+        .collect()
 }
 
 /// A power cut on `file`: every page that differs from its durable image
