@@ -818,8 +818,9 @@ fn slots_held_for_a_device_copy_are_never_reused() {
     }
     // Groups 2 and 3 are the resident ones now.
     let held = [GroupIndex(2), GroupIndex(3)];
-    let (addrs, pins) = c.pin_for_device(&held);
+    let (addrs, pins, busy) = c.pin_for_device(&held);
     assert_eq!(addrs.len(), 2); // no device mapping here: None, but held all the same
+    assert!(busy.is_empty());
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = {
         let (c, done) = (c.clone(), done.clone());
@@ -844,4 +845,82 @@ fn slots_held_for_a_device_copy_are_never_reused() {
         c.read(GroupIndex(g), 0, &mut out).unwrap();
         assert_eq!(out, pattern(seed, gb), "group {g}");
     }
+}
+
+/// Runs `f` on a thread and fails (instead of hanging) if it does not
+/// return within a minute: for calls that must not wait on others.
+fn without_waiting<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("{what} waited (a GPU restore's gate would stay shut)"))
+}
+
+#[test]
+fn a_gate_job_passes_queued_writers_and_skips_slots_a_gpu_store_holds() {
+    // What holds a GPU restore's gate shut (pin_for_device, read_groups_nowait)
+    // must not wait behind a writer that only queues, nor on a slot that
+    // claim_slots holds (a GPU STORE's kernel may be queued behind the gate).
+    let layout = small_layout();
+    let gb = layout.group_bytes() as usize;
+    let c = Arc::new(
+        Cascade::new(
+            layout,
+            Box::new(MemTier::new(layout)),
+            MetaTable::anonymous(layout.group_count()).unwrap(),
+            cfg(4, &layout, PolicyKind::Sieve, false),
+        )
+        .unwrap(),
+    );
+    while c.t1_ready_slots() < 4 {
+        std::thread::yield_now();
+    }
+    for g in 0..3 {
+        c.write(GroupIndex(g), 0, &pattern(g, gb)).unwrap();
+    }
+    c.sync_all().unwrap(); // clean: claim_slots takes clean groups in place
+    let claims = c.claim_slots(&[GroupIndex(0)], false);
+    assert!(claims.has(0));
+    let c2 = c.clone();
+    let (addrs, pins, busy) = without_waiting("pin_for_device on a claimed slot", move || {
+        c2.pin_for_device(&[GroupIndex(0), GroupIndex(1)])
+    });
+    assert_eq!(busy, vec![0], "the claimed group is reported busy");
+    assert_eq!(addrs[0], None);
+    drop(pins);
+    let c2 = c.clone();
+    let r = without_waiting("read_groups_nowait on a claimed slot", move || {
+        let mut out = vec![0u8; gb];
+        let r = c2.read_groups_nowait(&mut [(GroupIndex(0), &mut out[..])]);
+        r.into_iter().next().unwrap().map(|_| out)
+    });
+    match r {
+        Err(e @ CascadeError::Busy(_)) => assert_eq!(e.errno(), libc::EAGAIN),
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    drop(claims); // not committed: group 0 reads its old bytes again
+    let mut out = vec![0; gb];
+    c.read(GroupIndex(0), 0, &mut out).unwrap();
+    assert_eq!(out, pattern(0, gb));
+
+    // A writer queued on a pinned slot does not hold up another reader of it.
+    let (_, held, _) = c.pin_for_device(&[GroupIndex(1)]);
+    let writer = {
+        let c = c.clone();
+        std::thread::spawn(move || c.write(GroupIndex(1), 0, &pattern(101, gb)).unwrap())
+    };
+    std::thread::sleep(std::time::Duration::from_millis(100)); // let it queue
+    let c2 = c.clone();
+    let (_, again, busy) = without_waiting("pin_for_device behind a queued writer", move || {
+        let (a, p, b) = c2.pin_for_device(&[GroupIndex(1)]);
+        (a, p, b)
+    });
+    assert!(busy.is_empty());
+    drop(again);
+    drop(held);
+    writer.join().unwrap();
+    c.read(GroupIndex(1), 0, &mut out).unwrap();
+    assert_eq!(out, pattern(101, gb));
 }

@@ -5,7 +5,10 @@ waiting, then killed with SIGKILL. Afterwards the daemon must still
 serve, and its resident memory, pinned host memory (VmPin/VmLck), open
 files, mappings and device memory must be flat (figures before and after).
 
-    python3 tools/gpu_dying_clients.py MOUNT [--kills 100]
+    python3 tools/gpu_dying_clients.py MOUNT [--kills 100] [--parallel 8]
+
+Clients start --parallel at a time (each takes seconds to load torch and
+make its CUDA context); each is killed as soon as its tickets are in flight.
 """
 
 import argparse
@@ -19,7 +22,10 @@ CHILD = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[2])
 from kvfs import Kvfs
+def say(m):
+    print(m, file=sys.stderr, flush=True) if len(sys.argv) > 3 else None
 kv = Kvfs(sys.argv[1])
+say("opened")
 g = kv.layout
 gb, n = g["group_bytes"], min(g["groups"], 1024)
 keys = []
@@ -31,7 +37,9 @@ src = torch.randint(0, 256, (n * gb,), dtype=torch.uint8, device="cuda")
 dst = torch.empty(n * gb, dtype=torch.uint8, device="cuda")
 rs, rd = kv.register_tensor(src), kv.register_tensor(dst)
 torch.cuda.synchronize()
+say("registered")
 kv.store([k + (rs, i * gb) for i, k in enumerate(keys)])
+say("stored")
 st = kv.encode_entries([k + (rs, i * gb) for i, k in enumerate(keys)])
 re = kv.encode_entries([k + (rd, i * gb) for i, k in enumerate(keys)])
 for _ in range(8):
@@ -60,29 +68,43 @@ def daemon(mount):
             "fds": fds, "maps": maps, "device_mib": dev}
 
 
-def kill_one(mount):
-    p = subprocess.Popen([sys.executable, "-c", CHILD, mount, os.path.join(HERE, "python")],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    line = p.stdout.readline().strip()
-    if line != "ready":
+def kill_some(mount, n):
+    """Starts n clients at once and kills each once its tickets are in flight."""
+    verbose = ["-v"] if os.environ.get("KVFS_DYING_VERBOSE") else []
+    ps = [subprocess.Popen([sys.executable, "-c", CHILD, mount, os.path.join(HERE, "python")] + verbose,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    bad = None
+    for p in ps:
+        line = p.stdout.readline().strip()
+        if line != "ready":
+            bad = line
         p.kill()
-        raise SystemExit(f"a client did not get its GPU tickets in flight: {line!r}")
-    p.kill()
-    p.wait()
+        p.wait()
+    if bad is not None:
+        for p in ps:
+            p.kill()
+        raise SystemExit(f"a client did not get its GPU tickets in flight: {bad!r}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mount")
     ap.add_argument("--kills", type=int, default=100)
+    ap.add_argument("--parallel", type=int, default=8, help="clients alive at once (default 8)")
     a = ap.parse_args()
-    for _ in range(5):  # warm-up: pools, the CUDA context, IPC caches
-        kill_one(a.mount)
+    if a.kills < 1 or a.parallel < 1:
+        raise SystemExit("--kills and --parallel must be at least 1")
+    for _ in range(2):  # warm-up at full width: pools, the CUDA context, IPC caches
+        kill_some(a.mount, a.parallel)
     time.sleep(1)
     before = daemon(a.mount)
     t = time.time()
-    for _ in range(a.kills):
-        kill_one(a.mount)
+    done = 0
+    while done < a.kills:
+        n = min(a.parallel, a.kills - done)
+        kill_some(a.mount, n)
+        done += n
+        print(f"  {done} killed, {time.time() - t:.0f} s", file=sys.stderr, flush=True)
     after = before
     for _ in range(50):
         time.sleep(0.2)

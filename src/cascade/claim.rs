@@ -60,6 +60,7 @@ impl SlotWrites<'_> {
         let n = self.held.len() as u64;
         for (_, pin, guard) in self.held.drain(..) {
             self.c.set_dirty(pin.slot);
+            self.c.claimed[pin.slot.0 as usize].store(false, Ordering::Release);
             drop(guard);
             drop(pin);
         }
@@ -76,6 +77,7 @@ impl Drop for SlotWrites<'_> {
     /// list and its group reads from the backing, as before: nothing lost.
     fn drop(&mut self) {
         for (g, pin, guard) in self.held.drain(..) {
+            self.c.claimed[pin.slot.0 as usize].store(false, Ordering::Release);
             self.c.abandon(g, pin, guard);
         }
     }
@@ -273,6 +275,7 @@ impl Cascade {
                     }
                 };
                 w.of[i] = Some(w.held.len() as u32);
+                self.claimed[s.0 as usize].store(true, Ordering::Release);
                 w.held.push((g, self.pin_now(s), guard));
             }
         }

@@ -83,6 +83,10 @@ pub enum CascadeError {
     RegionFault(String),
     #[error("internal error: {0}")]
     Internal(String),
+    #[error(
+        "group {0} is being written by a GPU STORE right now; a restore into GPU memory does not wait for that (retry once the store completes)"
+    )]
+    Busy(GroupIndex),
     #[error("T1 needs room for at least one group ({stride} bytes), got {t1_bytes}")]
     T1TooSmall { t1_bytes: u64, stride: u64 },
     #[error("cannot allocate T1 ({bytes} bytes): {source}")]
@@ -113,6 +117,7 @@ impl CascadeError {
             CascadeError::MetaSync(source) => source.raw_os_error().unwrap_or(libc::EIO),
             CascadeError::RegionFault(_) => libc::EFAULT,
             CascadeError::Internal(_) => libc::EIO,
+            CascadeError::Busy(_) => libc::EAGAIN,
             CascadeError::T1TooSmall { .. } => libc::EINVAL,
             CascadeError::Alloc { .. } => libc::ENOMEM,
         }
@@ -280,6 +285,10 @@ pub struct Cascade {
     /// Changed only under the slot's lock: set under the write lock, cleared
     /// by a write-back under the read or write lock.
     dirty: Box<[AtomicBool]>,
+    /// Slots `claim_slots` holds (write-locked, maybe while a GPU kernel
+    /// fills them): a job that must not wait on the GPU does not wait on
+    /// these (`read_lock_nowait`).
+    claimed: Box<[AtomicBool]>,
     state: Mutex<State>,
     changed: Condvar,
     stripes: Box<[Mutex<()>]>,
@@ -403,6 +412,7 @@ impl Cascade {
             pins: (0..n_slots).map(|_| AtomicU32::new(0)).collect(),
             tags: (0..n_slots).map(|_| AtomicU64::new(NO_GROUP)).collect(),
             dirty: (0..n_slots).map(|_| AtomicBool::new(false)).collect(),
+            claimed: (0..n_slots).map(|_| AtomicBool::new(false)).collect(),
             state: Mutex::new(State {
                 // Sized for a full T1 up front, like the per-slot arrays: a
                 // rehash of a large map under the state lock would stall

@@ -172,6 +172,24 @@ impl Cascade {
         &self,
         items: &mut [(GroupIndex, &mut [u8])],
     ) -> Vec<Result<Residence, CascadeError>> {
+        self.read_groups_with(items, true)
+    }
+
+    /// `read_groups` for a job that must never wait on the GPU (see
+    /// `read_lock_nowait`): a group whose slot a GPU STORE holds is not
+    /// read (`CascadeError::Busy`).
+    pub fn read_groups_nowait(
+        &self,
+        items: &mut [(GroupIndex, &mut [u8])],
+    ) -> Vec<Result<Residence, CascadeError>> {
+        self.read_groups_with(items, false)
+    }
+
+    fn read_groups_with(
+        &self,
+        items: &mut [(GroupIndex, &mut [u8])],
+        wait: bool,
+    ) -> Vec<Result<Residence, CascadeError>> {
         let mut results: Vec<Option<Result<Residence, CascadeError>>> =
             (0..items.len()).map(|_| None).collect();
         let mut misses = Vec::new();
@@ -198,7 +216,15 @@ impl Cascade {
             }
             match pins.next().expect("one pin slot per valid item") {
                 Some(pin) => {
-                    let _r = self.slot_locks[pin.slot.0 as usize].read();
+                    let s = pin.slot.0 as usize;
+                    let lock = match wait {
+                        true => Some(self.slot_locks[s].read()),
+                        false => self.read_lock_nowait(s),
+                    };
+                    let Some(_r) = lock else {
+                        results[i] = Some(Err(CascadeError::Busy(*g)));
+                        continue;
+                    };
                     if !self.holds(pin.slot, *g) {
                         misses.push(i);
                         continue;
@@ -292,13 +318,37 @@ impl Cascade {
             }
             for i in retry {
                 let (g, out) = &mut items[i];
-                results[i] = Some(self.read(*g, 0, out));
+                results[i] = Some(match wait {
+                    true => self.read(*g, 0, out),
+                    false => self.read_whole_nowait(*g, out),
+                });
             }
         }
         results
             .into_iter()
             .map(|r| r.expect("every item answered"))
             .collect()
+    }
+
+    /// `read` of a whole group for `read_groups_nowait`: a hit whose slot
+    /// a GPU STORE holds is `Busy`.
+    fn read_whole_nowait(&self, g: GroupIndex, out: &mut [u8]) -> Result<Residence, CascadeError> {
+        if let Some(pin) = self.pin_resident(g, true) {
+            let _r = self
+                .read_lock_nowait(pin.slot.0 as usize)
+                .ok_or(CascadeError::Busy(g))?;
+            if self.holds(pin.slot, g) {
+                // SAFETY: we hold the slot's read lock.
+                let bytes = unsafe { self.slot_bytes(pin.slot) };
+                out.copy_from_slice(&bytes[..out.len()]);
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                self.counters
+                    .t1_read_bytes
+                    .fetch_add(out.len() as u64, Ordering::Relaxed);
+                return Ok(Residence::T1);
+            }
+        }
+        self.read(g, 0, out)
     }
 
     /// Installs bytes just read from the backing, unless the group changed.

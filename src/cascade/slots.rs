@@ -14,7 +14,7 @@
 use super::{Cascade, SlotId, SlotState, State};
 use crate::geometry::GroupIndex;
 use crate::gpu::HostBuf;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLockReadGuard};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -211,15 +211,42 @@ impl Cascade {
         Pin { c: self, slot: s }
     }
 
+    /// Read-locks slot `s` for a job that must never wait on the GPU
+    /// (one that holds a GPU restore's gate shut): it passes writers that
+    /// only queue (a recursive read), waits out a writer busy on the host
+    /// (a copy, a write-back), and gives up (None) on a slot `claim_slots`
+    /// holds: a GPU STORE may be writing it in place, with its kernel
+    /// queued behind that very gate.
+    pub(super) fn read_lock_nowait(&self, s: usize) -> Option<RwLockReadGuard<'_, ()>> {
+        let lock = &self.slot_locks[s];
+        let mut spins = 0u32;
+        loop {
+            if let Some(g) = lock.try_read_recursive() {
+                return Some(g);
+            }
+            if self.claimed[s].load(Ordering::Acquire) {
+                return None;
+            }
+            spins += 1;
+            if spins < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+    }
+
     /// Pins and read-locks the T1 slots of those `groups` that are
     /// resident, for copies the GPU makes straight out of them: returns each
     /// group's slot device address (None where the group is not in T1 or
-    /// T1 is not device-mapped). The slots cannot be written, evicted or
-    /// reused until the returned guard drops.
+    /// T1 is not device-mapped), and the entries whose slot a GPU STORE
+    /// holds (`read_lock_nowait`): those are neither served nor to be read
+    /// elsewhere. The slots cannot be written, evicted or reused until the
+    /// returned guard drops. It never waits on the GPU.
     pub fn pin_for_device(
         self: &Arc<Self>,
         groups: &[GroupIndex],
-    ) -> (Vec<Option<u64>>, DevicePins) {
+    ) -> (Vec<Option<u64>>, DevicePins, Vec<usize>) {
         // Pin first, then lock in ascending slot order, each slot once: every
         // holder of several slot locks (this, sync_all) takes them in that
         // order, so waits cannot form a cycle even with queued writers.
@@ -227,13 +254,30 @@ impl Cascade {
             .pin_mapped(groups, false)
             .expect("only a batch that must be all in T1 gives up");
         let mut addrs = vec![None; groups.len()];
+        let mut busy = Vec::new();
         let mut hits = 0;
+        let mut last: Option<(u32, bool)> = None;
         for k in 0..pins.pinned.len() {
             let (s, i) = pins.pinned[k];
-            if pins.locked.last() != Some(&s) {
-                // Released by DevicePins::drop.
-                std::mem::forget(self.slot_locks[s as usize].read());
-                pins.locked.push(s);
+            let locked = match last {
+                Some((t, locked)) if t == s => locked,
+                _ => {
+                    let locked = match self.read_lock_nowait(s as usize) {
+                        Some(g) => {
+                            // Released by DevicePins::drop.
+                            std::mem::forget(g);
+                            pins.locked.push(s);
+                            true
+                        }
+                        None => false,
+                    };
+                    last = Some((s, locked));
+                    locked
+                }
+            };
+            if !locked {
+                busy.push(i as usize);
+                continue;
             }
             if self.holds(SlotId(s), groups[i as usize])
                 && let Some(d) = self.slot_device_ptr(SlotId(s))
@@ -242,8 +286,9 @@ impl Cascade {
                 hits += 1;
             }
         }
+        busy.sort_unstable();
         self.count_device_hits(hits);
-        (addrs, pins)
+        (addrs, pins, busy)
     }
 
     /// Pins the T1 slots of `groups` under one acquisition of the state

@@ -17,6 +17,10 @@ use std::time::Instant;
 /// small machine; a batch is one job, so more threads than cores buys little.
 pub(super) const MIN_EXECUTORS: usize = 2;
 
+/// Threads opening GPU restores' gates (reading misses from the backing
+/// meanwhile): a few, as each gate's wait is mostly backing I/O.
+pub(super) const GATED_EXECUTORS: usize = 4;
+
 pub(super) type Job = Box<dyn FnOnce() + Send>;
 
 pub(super) struct Executor {
@@ -25,7 +29,8 @@ pub(super) struct Executor {
 }
 
 impl Executor {
-    pub(super) fn start(threads: usize) -> Arc<Executor> {
+    /// `threads` threads named `name-N`.
+    pub(super) fn start(threads: usize, name: &str) -> Arc<Executor> {
         let e = Arc::new(Executor {
             queue: Mutex::new(VecDeque::new()),
             ready: Condvar::new(),
@@ -33,7 +38,7 @@ impl Executor {
         for i in 0..threads {
             let e = e.clone();
             std::thread::Builder::new()
-                .name(format!("kvfs-exec-{i}"))
+                .name(format!("{name}-{i}"))
                 .spawn(move || {
                     loop {
                         let job = {

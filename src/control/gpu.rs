@@ -293,15 +293,25 @@ impl Session {
             resident_us,
             "GPU restore enqueued"
         );
-        self.ctl.exec.submit_ticket(
+        // The copy waits on its flag, and the device may hold other copies
+        // behind it, so this job never waits for a GPU copy: it runs on the
+        // gated executor, never waits on a slot a GPU STORE holds (those
+        // entries fail with EAGAIN), and leaves waiting for the copy to the
+        // engine's completion thread.
+        self.ctl.gated().submit_ticket(
             self,
             ticket,
             Box::new(move || {
                 let cascade = s.ctl.cascade.clone();
                 let job_started = Instant::now();
                 let mut results: Vec<Result<(), CascadeError>> = (0..n).map(|_| Ok(())).collect();
-                let (hits, pins) = cascade.pin_for_device(&groups);
-                let misses: Vec<usize> = (0..n).filter(|&i| hits[i].is_none()).collect();
+                let (hits, pins, busy) = cascade.pin_for_device(&groups);
+                for &i in &busy {
+                    results[i] = Err(CascadeError::Busy(groups[i]));
+                }
+                let misses: Vec<usize> = (0..n)
+                    .filter(|&i| hits[i].is_none() && busy.binary_search(&i).is_err())
+                    .collect();
                 let mut src: Vec<u64> = hits.iter().map(|h| h.unwrap_or(0)).collect();
                 if !misses.is_empty() {
                     let (staging, base) = copy.staging();
@@ -310,7 +320,7 @@ impl Session {
                         .zip(&misses)
                         .map(|(b, &i)| (groups[i], &mut b[..gb as usize]))
                         .collect();
-                    let rs = cascade.read_groups(&mut items);
+                    let rs = cascade.read_groups_nowait(&mut items);
                     drop(items);
                     for (k, (&i, r)) in misses.iter().zip(rs).enumerate() {
                         match (r, base) {
@@ -335,16 +345,20 @@ impl Session {
                     pin_us,
                     "GPU restore: descriptors ready"
                 );
-                let r = copy.finish();
-                tracing::debug!(ticket, ok = r.is_ok(), "GPU restore: copy done");
-                if let Err(e) = r {
-                    tracing::error!("GPU restore of ticket {ticket} failed: {e}");
-                    for r in results.iter_mut() {
-                        *r = Err(CascadeError::RegionFault(format!("GPU copy failed: {e}")));
+                copy.start();
+                let done = s.clone();
+                s.ctl.gpu.then(Box::new(move || {
+                    let r = copy.finish();
+                    tracing::debug!(ticket, ok = r.is_ok(), "GPU restore: copy done");
+                    if let Err(e) = r {
+                        tracing::error!("GPU restore of ticket {ticket} failed: {e}");
+                        for r in results.iter_mut() {
+                            *r = Err(CascadeError::RegionFault(format!("GPU copy failed: {e}")));
+                        }
                     }
-                }
-                drop(pins);
-                s.complete(Command::Restore, ticket, started, results);
+                    drop(pins);
+                    done.complete(Command::Restore, ticket, started, results);
+                }));
             }),
         );
         Ok(reply)

@@ -32,7 +32,7 @@ pub use session::Session;
 use crate::cascade::Cascade;
 use crate::geometry::GroupIndex;
 use crate::stats::{Exposition, Histogram};
-use exec::{Executor, MIN_EXECUTORS, Timer};
+use exec::{Executor, GATED_EXECUTORS, MIN_EXECUTORS, Timer};
 use parking_lot::Mutex;
 use session::SessionState;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -81,6 +81,8 @@ pub type ChangeHook = Box<dyn Fn(GroupIndex) + Send + Sync>;
 pub struct Control {
     cascade: Arc<Cascade>,
     exec: Arc<Executor>,
+    /// Jobs that open a GPU restore's gate (see `Control::gated`).
+    gated: OnceLock<Arc<Executor>>,
     timer: Arc<Timer>,
     stats: ControlStats,
     on_change: OnceLock<ChangeHook>,
@@ -96,12 +98,25 @@ impl Control {
             .max(MIN_EXECUTORS);
         Arc::new(Control {
             cascade,
-            exec: Executor::start(threads),
+            exec: Executor::start(threads, "kvfs-exec"),
+            gated: OnceLock::new(),
             timer: Timer::start(),
             stats: ControlStats::default(),
             on_change: OnceLock::new(),
             gpu: Default::default(),
         })
+    }
+
+    /// The executor of GPU restores whose copy is enqueued on admission
+    /// behind a ready flag (groups not all in T1). The device may hold
+    /// other streams' copies behind that flag (streams share the GPU's few
+    /// hardware queues), so these jobs run on threads of their own that
+    /// never wait for a GPU copy: a busy general executor (its threads
+    /// waiting on STORE kernels) cannot keep a gate shut. Started on first
+    /// use.
+    fn gated(&self) -> &Arc<Executor> {
+        self.gated
+            .get_or_init(|| Executor::start(GATED_EXECUTORS, "kvfs-gate"))
     }
 
     pub fn cascade(&self) -> &Arc<Cascade> {

@@ -52,7 +52,7 @@ impl Drop for Region {
         if let Memory::Cuda { ipc_base, .. } = self.mem
             && let Some(c) = crate::gpu::cuda::cuda()
         {
-            c.close_ipc_mem(ipc_base);
+            c.close_ipc_mem_later(ipc_base);
         }
     }
 }

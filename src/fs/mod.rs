@@ -355,7 +355,11 @@ impl Filesystem for KvFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        if let Some(Handle::Control(s)) = self.handles.lock().remove(&fh.0) {
+        // Taken out before the session closes and drops: the handle table's
+        // lock is not held meanwhile (dropping a session lets go of its
+        // regions, which can take a while).
+        let handle = self.handles.lock().remove(&fh.0);
+        if let Some(Handle::Control(s)) = handle {
             s.close();
         }
         reply.ok();
@@ -416,7 +420,11 @@ impl Filesystem for KvFs {
         _f: OpenFlags,
         reply: ReplyEmpty,
     ) {
-        if let Some(Handle::Control(s)) = self.handles.lock().remove(&fh.0) {
+        // Taken out before the session closes and drops: the handle table's
+        // lock is not held meanwhile (dropping a session lets go of its
+        // regions, which can take a while).
+        let handle = self.handles.lock().remove(&fh.0);
+        if let Some(Handle::Control(s)) = handle {
             s.close();
         }
         reply.ok();

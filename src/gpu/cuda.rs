@@ -270,6 +270,30 @@ impl Cuda {
         }
     }
 
+    /// `close_ipc_mem` on a thread of its own, in order. Closing a
+    /// mapping can wait for the device to go idle, and the device can be
+    /// waiting on a restore's gate that jobs elsewhere open; the thread
+    /// that lets go of a region (a FUSE thread closing a session, the
+    /// completion thread) must not stop meanwhile.
+    pub fn close_ipc_mem_later(&self, base: u64) {
+        static CLOSER: OnceLock<parking_lot::Mutex<std::sync::mpsc::Sender<u64>>> = OnceLock::new();
+        let tx = CLOSER.get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel::<u64>();
+            std::thread::Builder::new()
+                .name("kvfs-ipc-close".into())
+                .spawn(move || {
+                    for base in rx {
+                        if let Some(c) = cuda() {
+                            c.close_ipc_mem(base);
+                        }
+                    }
+                })
+                .expect("cannot start the CUDA IPC close thread");
+            parking_lot::Mutex::new(tx)
+        });
+        let _ = tx.lock().send(base);
+    }
+
     pub fn new_stream(&self) -> Result<Stream, String> {
         self.bind()?;
         let mut s = std::ptr::null_mut();
