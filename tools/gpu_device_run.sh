@@ -1,11 +1,12 @@
 #!/bin/bash
 # The GPU checks, on a machine with a CUDA GPU, torch and /dev/fuse, as root.
 # Expects release binaries in .devbin/ (built elsewhere, stripped):
-#   kvfs-bin (target/release/kvfs), kvfs-lib, cascade and gpu (the test
+#   kvfs-bin (target/release/kvfs; `strip --strip-debug` keeps the symbols
+#   cuda-gdb needs for a hung daemon's stacks), kvfs-lib, cascade and gpu (the test
 #   executables that `cargo test --release --no-run` prints).
 # SKIP_TESTS=1 skips the test executables and runs only tools/gpu_e2e.py.
 # HF=1 also runs the kvfs.hf demo (HF_BLOCKS="64 16": the block sizes).
-# DYING=1 also kills 100 clients with GPU tickets in flight (long: alone).
+# DYING=1 also kills 100 clients with GPU tickets in flight (about a minute).
 set -u
 B=$PWD/.devbin/kvfs-bin
 export PYTHONUNBUFFERED=1
@@ -25,16 +26,21 @@ set -o pipefail
 fail=0
 echo "== e2e 16 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --ring --target 0.85 2>&1 | tail -25 || fail=1
 echo "== e2e 4 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k4 --batch 4096 --inflight 4 --rounds 128 --target 0.80 2>&1 | tail -20 || fail=1
-echo "== e2e 16 KiB strided (64 rows of 256 B, pitch 512), in pieces"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --row 256 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1
-mkdir -p /mnt/kr; KVFS_GPU_ROWS=kernel $B mount /mnt/kr --backing /tmp/br --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
-for p in 512 2048; do echo "== e2e 16 KiB strided (64 rows of 256 B, pitch $p), rows kernel"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/kr --batch 1024 --inflight 4 --rounds 128 --row 256 --pitch $p --target 0.85 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1; done
+# Strided entries: the rows kernel (the default) at pitch 512 (through the
+# ring too) and 2048; then the same batches in pieces (KVFS_GPU_ROWS=pieces).
+for p in 512 2048; do echo "== e2e 16 KiB strided (64 rows of 256 B, pitch $p), rows kernel"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --row 256 --pitch $p $([ $p = 512 ] && echo "--ring --target 0.85") 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1; done
+mkdir -p /mnt/kr; KVFS_GPU_ROWS=pieces $B mount /mnt/kr --backing /tmp/br --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
+echo "== e2e 16 KiB strided (64 rows of 256 B, pitch 512), in pieces"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/kr --batch 1024 --inflight 4 --rounds 128 --row 256 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1
 timeout -k 2 20 $B umount /mnt/kr; rm -rf /tmp/br
 echo "== engine layouts in GPU memory"; KVFS_MOUNT=/mnt/k16 PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_layouts.py 2>&1 | tail -8 || fail=1
 echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 | tail -10 || fail=1
-# DYING=1: 100 clients killed with GPU tickets in flight (about 3 s each:
-# run it in a call of its own, with SKIP_TESTS=1).
+# DYING=1: 100 clients killed with GPU tickets in flight, 12 at a time
+# (about a minute).
 if [ "${DYING:-0}" = 1 ]; then
-  echo "== dying GPU clients"; timeout -k 5 500 python3 tools/gpu_dying_clients.py /mnt/k16 --kills 100 2>&1 | grep -v CudaIPC | tail -3 || fail=1
+  echo "== dying GPU clients"; timeout -k 5 240 python3 tools/gpu_dying_clients.py /mnt/k16 --kills 100 --parallel 12 2>&1 | grep -v CudaIPC | tail -3 || {
+    fail=1  # a hung daemon: every thread's stack for the caller
+    [ -n "${OUT:-}" ] && timeout -k 5 60 cuda-gdb -p "$(cat /mnt/k16/.kvfs/pid)" -batch -ex "thread apply all bt 24" > "$OUT/dying_bt.txt" 2>&1
+  }
 fi
 echo "== GPU checks: $([ $fail = 0 ] && echo all passed || echo SOME FAILED)"
 for m in k16 k4 kg; do timeout -k 2 20 $B umount /mnt/$m; done
