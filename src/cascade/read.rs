@@ -113,12 +113,30 @@ impl Cascade {
         offset: u64,
         out: &mut [u8],
     ) -> Result<Residence, CascadeError> {
+        self.read_with(g, offset, out, true)
+    }
+
+    /// `read`; without `wait`, for a job that must never wait on the GPU
+    /// (see `read_lock_nowait`): a hit whose slot a GPU STORE holds is
+    /// `Busy`, and a miss is not promoted (finding a slot can wait for pins
+    /// that GPU copies hold).
+    fn read_with(
+        &self,
+        g: GroupIndex,
+        offset: u64,
+        out: &mut [u8],
+        wait: bool,
+    ) -> Result<Residence, CascadeError> {
         self.check_index(g)?;
         self.check_range(offset, out.len())?;
         let off = offset as usize;
         loop {
             if let Some(pin) = self.pin_resident(g, true) {
-                let _r = self.slot_locks[pin.slot.0 as usize].read();
+                let s = pin.slot.0 as usize;
+                let _r = match wait {
+                    true => self.slot_locks[s].read(),
+                    false => self.read_lock_nowait(s).ok_or(CascadeError::Busy(g))?,
+                };
                 if !self.holds(pin.slot, g) {
                     continue; // its fill failed; look again
                 }
@@ -154,7 +172,7 @@ impl Cascade {
             out.copy_from_slice(&buf.as_slice()[off..off + out.len()]);
             if res == Residence::Backing {
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                if self.cfg.promote_on_miss {
+                if wait && self.cfg.promote_on_miss {
                     self.promote(g, buf.as_slice(), generation);
                 }
             }
@@ -320,7 +338,7 @@ impl Cascade {
                 let (g, out) = &mut items[i];
                 results[i] = Some(match wait {
                     true => self.read(*g, 0, out),
-                    false => self.read_whole_nowait(*g, out),
+                    false => self.read_with(*g, 0, out, false),
                 });
             }
         }
@@ -328,27 +346,6 @@ impl Cascade {
             .into_iter()
             .map(|r| r.expect("every item answered"))
             .collect()
-    }
-
-    /// `read` of a whole group for `read_groups_nowait`: a hit whose slot
-    /// a GPU STORE holds is `Busy`.
-    fn read_whole_nowait(&self, g: GroupIndex, out: &mut [u8]) -> Result<Residence, CascadeError> {
-        if let Some(pin) = self.pin_resident(g, true) {
-            let _r = self
-                .read_lock_nowait(pin.slot.0 as usize)
-                .ok_or(CascadeError::Busy(g))?;
-            if self.holds(pin.slot, g) {
-                // SAFETY: we hold the slot's read lock.
-                let bytes = unsafe { self.slot_bytes(pin.slot) };
-                out.copy_from_slice(&bytes[..out.len()]);
-                self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                self.counters
-                    .t1_read_bytes
-                    .fetch_add(out.len() as u64, Ordering::Relaxed);
-                return Ok(Residence::T1);
-            }
-        }
-        self.read(g, 0, out)
     }
 
     /// Installs bytes just read from the backing, unless the group changed.
