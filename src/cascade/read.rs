@@ -132,11 +132,9 @@ impl Cascade {
         let off = offset as usize;
         loop {
             if let Some(pin) = self.pin_resident(g, true) {
-                let s = pin.slot.0 as usize;
-                let _r = match wait {
-                    true => self.slot_locks[s].read(),
-                    false => self.read_lock_nowait(s).ok_or(CascadeError::Busy(g))?,
-                };
+                let _r = self
+                    .read_lock(pin.slot.0 as usize, wait)
+                    .ok_or(CascadeError::Busy(g))?;
                 if !self.holds(pin.slot, g) {
                     continue; // its fill failed; look again
                 }
@@ -234,12 +232,7 @@ impl Cascade {
             }
             match pins.next().expect("one pin slot per valid item") {
                 Some(pin) => {
-                    let s = pin.slot.0 as usize;
-                    let lock = match wait {
-                        true => Some(self.slot_locks[s].read()),
-                        false => self.read_lock_nowait(s),
-                    };
-                    let Some(_r) = lock else {
+                    let Some(_r) = self.read_lock(pin.slot.0 as usize, wait) else {
                         results[i] = Some(Err(CascadeError::Busy(*g)));
                         continue;
                     };

@@ -236,6 +236,15 @@ impl Cascade {
         }
     }
 
+    /// Slot `s`'s read lock: waited for, or (without `wait`)
+    /// `read_lock_nowait`.
+    pub(super) fn read_lock(&self, s: usize, wait: bool) -> Option<RwLockReadGuard<'_, ()>> {
+        match wait {
+            true => Some(self.slot_locks[s].read()),
+            false => self.read_lock_nowait(s),
+        }
+    }
+
     /// Pins and read-locks the T1 slots of those `groups` that are
     /// resident, for copies the GPU makes straight out of them: returns each
     /// group's slot device address (None where the group is not in T1 or
