@@ -34,7 +34,18 @@ class PrefixIndex:
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.db = sqlite3.connect(path, timeout=30, isolation_level=None)
-        self.db.execute("PRAGMA journal_mode=WAL")
+        # Switching to WAL needs the database to itself, and SQLite answers
+        # "database is locked" at once (its busy timeout does not apply)
+        # while another process opening it does the same: retry a while.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute(
             "CREATE TABLE IF NOT EXISTS prefix (key TEXT PRIMARY KEY, block INTEGER NOT NULL, "
