@@ -16,7 +16,8 @@ if [ "${SKIP_TESTS:-0}" = 0 ]; then echo "== unit and GPU tests"
 RUST_LOG=info ./.devbin/gpu --ignored --nocapture --test-threads 1 2>&1 | grep -vE "^$"
 fi
 pkill -9 -f gpu_e2e; pkill -9 -f kvfs-bin; for m in k16 k4 kg; do umount -l /mnt/$m 2>/dev/null; done; sleep 1; rm -rf /tmp/b16 /tmp/b4 /tmp/bg
-# Debug lines time each GPU restore (admission, pinning, copy): LOG=debug.
+# Debug lines time each GPU restore (admission, pinning, copy) and each GPU
+# store chunk (claiming slots, the copy, writing staged groups): LOG=debug.
 export RUST_LOG=info${LOG:+,kvfs::control=$LOG}
 mkdir -p /mnt/k16 /mnt/k4 /mnt/kg
 $B mount /mnt/k16 --backing /tmp/b16 --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1

@@ -449,7 +449,9 @@ impl Session {
             Box::new(move || {
                 let cascade = &s.ctl.cascade;
                 let mut results: Vec<Result<(), CascadeError>> = Vec::with_capacity(work.len());
+                let queued_us = started.elapsed().as_micros() as u64;
                 for items in work.items.chunks(chunk) {
+                    let t0 = Instant::now();
                     let groups: Vec<GroupIndex> = items.iter().map(|it| it.g).collect();
                     // A batch naming a group twice goes through staging, in order.
                     let mut sorted: Vec<u64> = groups.iter().map(|g| g.0).collect();
@@ -466,6 +468,7 @@ impl Session {
                     let at = |i: usize| direct[i].unwrap_or(copy.staging_addr(i));
                     let descs: Vec<Descriptor> =
                         pieces(&work, items, gb, shape.piece(), at, false).collect();
+                    let t1 = Instant::now();
                     // SAFETY: every descriptor names a checked range of a
                     // live CUDA region (the batch holds it) and either a
                     // staging slot or a T1 slot write-locked in `slots`
@@ -478,6 +481,7 @@ impl Session {
                         }));
                         continue;
                     }
+                    let t2 = Instant::now();
                     if let Some(w) = slots {
                         w.commit();
                     }
@@ -492,10 +496,17 @@ impl Session {
                     })) {
                         rs[i] = r;
                     }
+                    // Where a store's time goes: claiming T1 slots and
+                    // describing, the copy (launch and wait), writing staged
+                    // groups into T1.
                     tracing::debug!(
                         ticket,
                         n = items.len(),
                         in_place = items.len() - staged.len(),
+                        queued_us,
+                        claim_us = (t1 - t0).as_micros() as u64,
+                        copy_us = (t2 - t1).as_micros() as u64,
+                        write_us = t2.elapsed().as_micros() as u64,
                         "GPU store: chunk done"
                     );
                     s.changed(&groups, &rs);
