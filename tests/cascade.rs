@@ -793,6 +793,24 @@ fn t1_arrives_in_chunks_and_all_of_it_is_used() {
     }
 }
 
+/// A cascade over an in-memory tier with a T1 of `slots` slots, every one
+/// of them ready.
+fn ready_cascade(layout: GroupLayout, slots: u64) -> Arc<Cascade> {
+    let c = Arc::new(
+        Cascade::new(
+            layout,
+            Box::new(MemTier::new(layout)),
+            MetaTable::anonymous(layout.group_count()).unwrap(),
+            cfg(slots, &layout, PolicyKind::Sieve, false),
+        )
+        .unwrap(),
+    );
+    while c.t1_ready_slots() < slots {
+        std::thread::yield_now();
+    }
+    c
+}
+
 /// The seed's eviction guard, at the cascade level: slots held for a device
 /// copy are never evicted, overwritten or reused until the copy lets go.
 /// T1 of 2 slots, 4 groups: pin the 2 resident groups "for the GPU", then a
@@ -801,18 +819,7 @@ fn t1_arrives_in_chunks_and_all_of_it_is_used() {
 fn slots_held_for_a_device_copy_are_never_reused() {
     let layout = small_layout();
     let gb = layout.group_bytes() as usize;
-    let c = Arc::new(
-        Cascade::new(
-            layout,
-            Box::new(MemTier::new(layout)),
-            MetaTable::anonymous(layout.group_count()).unwrap(),
-            cfg(2, &layout, PolicyKind::Sieve, false),
-        )
-        .unwrap(),
-    );
-    while c.t1_ready_slots() < 2 {
-        std::thread::yield_now();
-    }
+    let c = ready_cascade(layout, 2);
     for g in 0..4 {
         c.write(GroupIndex(g), 0, &pattern(g, gb)).unwrap();
     }
@@ -865,18 +872,7 @@ fn a_gate_job_passes_queued_writers_and_skips_slots_a_gpu_store_holds() {
     // claim_slots holds (a GPU STORE's kernel may be queued behind the gate).
     let layout = small_layout();
     let gb = layout.group_bytes() as usize;
-    let c = Arc::new(
-        Cascade::new(
-            layout,
-            Box::new(MemTier::new(layout)),
-            MetaTable::anonymous(layout.group_count()).unwrap(),
-            cfg(4, &layout, PolicyKind::Sieve, false),
-        )
-        .unwrap(),
-    );
-    while c.t1_ready_slots() < 4 {
-        std::thread::yield_now();
-    }
+    let c = ready_cascade(layout, 4);
     for g in 0..3 {
         c.write(GroupIndex(g), 0, &pattern(g, gb)).unwrap();
     }
