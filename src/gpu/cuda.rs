@@ -25,6 +25,63 @@ unsafe impl Sync for Cuda {}
 
 static CUDA: OnceLock<Option<Cuda>> = OnceLock::new();
 
+/// Streams of this process that may be waiting on a ready flag still
+/// clear (`open`), and driver calls waiting to run while none is
+/// (`pending`). See `quietly`.
+struct Quiet {
+    open: usize,
+    pending: usize,
+}
+
+static QUIET: parking_lot::Mutex<Quiet> = parking_lot::const_mutex(Quiet {
+    open: 0,
+    pending: 0,
+});
+static QUIET_CHANGED: parking_lot::Condvar = parking_lot::Condvar::new();
+
+/// Runs `f`, a driver call that may wait for the device to go idle while
+/// holding the driver's own lock (allocating or freeing device or pinned
+/// memory, opening or closing an IPC mapping), only while no stream waits
+/// on a ready flag. Otherwise the device could be waiting on a flag that
+/// only a thread blocked on that lock would set (a restore launching its
+/// kernel right after its stream's wait): every driver call in the
+/// process would stop. New flag waits hold off until `f` has run.
+/// Never call it with a window of one's own open.
+pub fn quietly<R>(f: impl FnOnce() -> R) -> R {
+    let mut q = QUIET.lock();
+    q.pending += 1;
+    while q.open > 0 {
+        QUIET_CHANGED.wait(&mut q);
+    }
+    // The lock is held while f runs: no window opens meanwhile.
+    let r = f();
+    q.pending -= 1;
+    drop(q);
+    QUIET_CHANGED.notify_all();
+    r
+}
+
+/// Opens a window: the caller is about to make a stream wait on a ready
+/// flag, and calls `close_window` once the flag is set.
+pub fn open_window() {
+    let mut q = QUIET.lock();
+    while q.pending > 0 {
+        QUIET_CHANGED.wait(&mut q);
+    }
+    q.open += 1;
+}
+
+/// Closes a window opened by `open_window` (its flag is set).
+pub fn close_window() {
+    let mut q = QUIET.lock();
+    q.open -= 1;
+    let idle = q.open == 0;
+    drop(q);
+    if idle {
+        QUIET_CHANGED.notify_all();
+    }
+}
+
 /// Names under which cudarc looks for the driver (a subset that covers Linux).
 const LIB_NAMES: [&str; 2] = ["libcuda.so", "libcuda.so.1"];
 
@@ -97,16 +154,16 @@ impl Cuda {
         self.bind()?;
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: a fresh allocation of len bytes; released by free_pinned.
-        let p = unsafe { result::malloc_host(len, flags) }
+        let p = quietly(|| unsafe { result::malloc_host(len, flags) })
             .map_err(|e| format!("cuMemHostAlloc({len}): {e:?}"))?;
         let mut d: sys::CUdeviceptr = 0;
         // SAFETY: p is mapped (DEVICEMAP) memory just allocated.
         let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, p, 0) };
         if r != sys::CUresult::CUDA_SUCCESS {
             // SAFETY: p came from malloc_host and is not used elsewhere.
-            unsafe {
+            quietly(|| unsafe {
                 let _ = result::free_host(p);
-            }
+            });
             return Err(format!("cuMemHostGetDevicePointer: {r:?}"));
         }
         Ok((p.cast(), d))
@@ -117,9 +174,9 @@ impl Cuda {
     pub unsafe fn free_pinned(&self, p: *mut u8) {
         if self.bind().is_ok() {
             // SAFETY: the caller's contract.
-            unsafe {
+            quietly(|| unsafe {
                 let _ = result::free_host(p.cast());
-            }
+            });
         }
     }
 }
@@ -151,9 +208,9 @@ impl Drop for DeviceBuf {
         {
             // SAFETY: ptr came from cuMemAlloc and no copy uses it any more
             // (owners drop it only after the copies' event completed).
-            unsafe {
+            quietly(|| unsafe {
                 sys::cuMemFree_v2(self.ptr);
-            }
+            });
         }
     }
 }
@@ -164,7 +221,7 @@ impl Cuda {
         self.bind()?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: ptr receives a fresh allocation.
-        let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) };
+        let r = quietly(|| unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) });
         check(r, "cuMemAlloc")?;
         Ok(DeviceBuf { ptr, len })
     }
@@ -242,13 +299,13 @@ impl Cuda {
         }
         let mut d: sys::CUdeviceptr = 0;
         // SAFETY: h is a handle value; d receives the mapping.
-        let r = unsafe {
+        let r = quietly(|| unsafe {
             sys::cuIpcOpenMemHandle_v2(
                 &mut d,
                 h,
                 sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
             )
-        };
+        });
         check(r, "cuIpcOpenMemHandle")?;
         let (mut base, mut size) = (0, 0usize);
         // SAFETY: d is a valid device address just mapped.
@@ -264,9 +321,9 @@ impl Cuda {
     pub fn close_ipc_mem(&self, base: u64) {
         if self.bind().is_ok() {
             // SAFETY: base came from cuIpcOpenMemHandle and no copy uses it.
-            unsafe {
+            quietly(|| unsafe {
                 sys::cuIpcCloseMemHandle(base);
-            }
+            });
         }
     }
 
@@ -525,5 +582,46 @@ impl Cuda {
         // SAFETY: the caller's contract; dst is a host slice of the length given.
         let r = unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) };
         check(r, "cuMemcpyDtoH")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// A driver call that may wait for the device runs only once every
+    /// open window has closed, and no window opens while one waits: the
+    /// order that keeps a restore's kernel launch from waiting behind a
+    /// free that waits for that restore's flag.
+    #[test]
+    fn quiet_calls_wait_for_open_windows_and_hold_off_new_ones() {
+        open_window();
+        let ran = std::sync::Arc::new(AtomicBool::new(false));
+        let done = std::sync::Arc::new(AtomicBool::new(false));
+        let (r, d) = (ran.clone(), done.clone());
+        let (tx, rx) = mpsc::channel();
+        let t = std::thread::spawn(move || {
+            quietly(|| {
+                r.store(true, Ordering::SeqCst);
+                tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(100));
+                d.store(true, Ordering::SeqCst);
+            })
+        });
+        assert!(rx.recv_timeout(Duration::from_millis(300)).is_err());
+        assert!(!ran.load(Ordering::SeqCst), "ran with a window open");
+        close_window();
+        rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        // The quiet call is running: a new window waits for it to end.
+        open_window();
+        assert!(
+            done.load(Ordering::SeqCst),
+            "a window opened while a quiet call ran"
+        );
+        close_window();
+        t.join().unwrap();
     }
 }

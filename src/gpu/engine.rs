@@ -83,17 +83,40 @@ impl PooledEvent {
 }
 
 /// Sets a ticket's ready flag (a u32 in pinned memory the stream waits
-/// on); dropping it sets it too, so no stream ever waits forever.
-struct ReadyFlag(*mut u32);
+/// on); dropping it sets it too, so no stream ever waits forever. An
+/// armed flag holds a window (`cuda::open_window`) from before its stream
+/// is told to wait until it is set, so no driver call that waits for the
+/// device runs meanwhile.
+struct ReadyFlag {
+    flag: *mut u32,
+    window: bool,
+}
 // SAFETY: the flag lives in the ticket's table, which its owner keeps.
 unsafe impl Send for ReadyFlag {}
 
 impl ReadyFlag {
-    fn set(&self) {
+    /// A flag a stream is about to wait on.
+    fn armed(flag: *mut u32) -> ReadyFlag {
+        super::cuda::open_window();
+        ReadyFlag { flag, window: true }
+    }
+
+    /// A flag no stream waits on.
+    fn unarmed(flag: *mut u32) -> ReadyFlag {
+        ReadyFlag {
+            flag,
+            window: false,
+        }
+    }
+
+    fn set(&mut self) {
         std::sync::atomic::fence(Ordering::SeqCst);
         // SAFETY: the pointer is the first word of a live pinned table.
-        unsafe { std::ptr::write_volatile(self.0, 1) };
+        unsafe { std::ptr::write_volatile(self.flag, 1) };
         std::sync::atomic::fence(Ordering::SeqCst);
+        if std::mem::take(&mut self.window) {
+            super::cuda::close_window();
+        }
     }
 }
 
@@ -145,7 +168,9 @@ impl Pool {
     }
 
     fn take_event(&self) -> Result<PooledEvent, String> {
-        let ev = match self.events.lock().pop() {
+        // Not under the pool's lock: creating an event takes the driver's.
+        let pooled = self.events.lock().pop();
+        let ev = match pooled {
             Some(e) => e,
             None => driver()?.new_ipc_event()?,
         };
@@ -185,10 +210,10 @@ impl Pool {
         driver()?.new_stream()
     }
 
-    /// Drops GPU memory (pinned or device) on a thread of its own:
-    /// cuMemFreeHost waits for the device to go idle, and an executor
-    /// thread must never wait on a stream that may be waiting on a job
-    /// still queued behind it.
+    /// Drops GPU memory (pinned or device) on a thread of its own: a
+    /// free waits for the device to go idle (and, in `cuda::quietly`, for
+    /// every open ready flag to be set), and an executor thread must never
+    /// wait on a stream that may be waiting on a job still queued behind it.
     fn free_later(&self, b: Box<dyn Send>) {
         let tx = self.reaper.get_or_init(|| {
             let (tx, rx) = std::sync::mpsc::channel::<Box<dyn Send>>();
@@ -370,7 +395,7 @@ impl Engine {
             None => Some(pool.take_stream()?),
         };
         let r = Restore {
-            ready: ReadyFlag(table.as_ptr().cast::<u32>()),
+            ready: ReadyFlag::armed(table.as_ptr().cast::<u32>()),
             c,
             n,
             stride,
@@ -441,7 +466,7 @@ impl Engine {
         let event = pool.take_event()?;
         let stream = pool.take_stream()?;
         // Nothing to wait for: the descriptors are written before each launch.
-        drop(ReadyFlag(table.as_ptr().cast::<u32>()));
+        drop(ReadyFlag::unarmed(table.as_ptr().cast::<u32>()));
         Ok(Store {
             c,
             chunk,
