@@ -211,6 +211,26 @@ impl Control {
             "Control file opens.",
             self.stats.sessions.load(Ordering::Relaxed),
         );
+        use crate::gpu::cuda::{DEVICE_BYTES, IPC_MAPPINGS, PINNED_BYTES};
+        for (name, help, v) in [
+            (
+                "kvfs_gpu_pinned_bytes",
+                "Pinned host memory held (T1, GPU staging and descriptor tables).",
+                &PINNED_BYTES,
+            ),
+            (
+                "kvfs_gpu_device_bytes",
+                "Device memory held (descriptor copies).",
+                &DEVICE_BYTES,
+            ),
+            (
+                "kvfs_gpu_ipc_mappings",
+                "Clients' CUDA regions mapped (IPC handles open).",
+                &IPC_MAPPINGS,
+            ),
+        ] {
+            e.single(name, "gauge", help, v.load(Ordering::Relaxed));
+        }
         e.histogram(
             "kvfs_control_ticket_latency_seconds",
             "Time from admission to completion of a ticket.",

@@ -9,6 +9,7 @@
 
 use cudarc::driver::{result, sys};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The driver and the device kvfs pins its memory for.
 pub struct Cuda {
@@ -24,6 +25,13 @@ unsafe impl Send for Cuda {}
 unsafe impl Sync for Cuda {}
 
 static CUDA: OnceLock<Option<Cuda>> = OnceLock::new();
+
+/// Memory the driver holds for this process, for `.kvfs/stats`: pinned
+/// host bytes (T1, staging, descriptor tables), device bytes (descriptor
+/// copies) and open IPC mappings (clients' CUDA regions).
+pub static PINNED_BYTES: AtomicU64 = AtomicU64::new(0);
+pub static DEVICE_BYTES: AtomicU64 = AtomicU64::new(0);
+pub static IPC_MAPPINGS: AtomicU64 = AtomicU64::new(0);
 
 /// Streams of this process that may be waiting on a ready flag still
 /// clear (`open`), and driver calls waiting to run while none is
@@ -166,12 +174,14 @@ impl Cuda {
             });
             return Err(format!("cuMemHostGetDevicePointer: {r:?}"));
         }
+        PINNED_BYTES.fetch_add(len as u64, Ordering::Relaxed);
         Ok((p.cast(), d))
     }
 
     /// # Safety
-    /// `p` came from `alloc_pinned` and nothing uses it any more.
-    pub unsafe fn free_pinned(&self, p: *mut u8) {
+    /// `p` came from `alloc_pinned` of `len` bytes and nothing uses it any more.
+    pub unsafe fn free_pinned(&self, p: *mut u8, len: usize) {
+        PINNED_BYTES.fetch_sub(len as u64, Ordering::Relaxed);
         if self.bind().is_ok() {
             // SAFETY: the caller's contract.
             quietly(|| unsafe {
@@ -211,6 +221,7 @@ impl Drop for DeviceBuf {
             quietly(|| unsafe {
                 sys::cuMemFree_v2(self.ptr);
             });
+            DEVICE_BYTES.fetch_sub(self.len as u64, Ordering::Relaxed);
         }
     }
 }
@@ -223,6 +234,7 @@ impl Cuda {
         // SAFETY: ptr receives a fresh allocation.
         let r = quietly(|| unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) });
         check(r, "cuMemAlloc")?;
+        DEVICE_BYTES.fetch_add(len as u64, Ordering::Relaxed);
         Ok(DeviceBuf { ptr, len })
     }
 }
@@ -307,6 +319,7 @@ impl Cuda {
             )
         });
         check(r, "cuIpcOpenMemHandle")?;
+        IPC_MAPPINGS.fetch_add(1, Ordering::Relaxed);
         let (mut base, mut size) = (0, 0usize);
         // SAFETY: d is a valid device address just mapped.
         let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, d) };
@@ -324,6 +337,7 @@ impl Cuda {
             quietly(|| unsafe {
                 sys::cuIpcCloseMemHandle(base);
             });
+            IPC_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
         }
     }
 

@@ -132,7 +132,7 @@ impl Drop for HostBuf {
         if self.device.is_some() {
             if let Some(c) = super::cuda::cuda() {
                 // SAFETY: pinned by alloc_pinned; the owner is gone.
-                unsafe { c.free_pinned(self.base) };
+                unsafe { c.free_pinned(self.base, self.len + PAGE) };
             }
             return;
         }
