@@ -34,6 +34,10 @@ mkdir -p /mnt/kr; KVFS_GPU_ROWS=pieces $B mount /mnt/kr --backing /tmp/br --t1 1
 echo "== e2e 16 KiB strided (64 rows of 256 B, pitch 512), in pieces"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/kr --batch 1024 --inflight 4 --rounds 128 --row 256 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1
 timeout -k 2 20 $B umount /mnt/kr; rm -rf /tmp/br
 echo "== engine layouts in GPU memory"; KVFS_MOUNT=/mnt/k16 PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_layouts.py 2>&1 | tail -8 || fail=1
+mkdir -p /mnt/khf; rm -rf /tmp/bhf
+$B mount /mnt/khf --backing /tmp/bhf --t1 64MiB --layers 4 --blocks 1024 --kv-heads 2 --head-dim 64 --block-tokens 16 --dtype bf16 || exit 1
+echo "== KvfsCache bytes (prefix saved, loaded by a new cache, layers evicted and restored)"; KVFS_HF_MOUNT=/mnt/khf PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_hf.py 2>&1 | tail -6 || fail=1
+timeout -k 2 20 $B umount /mnt/khf
 echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 | tail -10 || fail=1
 # DYING=1: 100 clients killed with GPU tickets in flight, 12 at a time
 # (about a minute).
