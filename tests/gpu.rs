@@ -75,3 +75,34 @@ fn a_large_t1_is_pinned_in_chunks_in_the_background() {
     assert!(c.slot_device_ptr(SlotId(0)).is_some());
     assert!(c.slot_device_ptr(SlotId(c.t1_slots() - 1)).is_some());
 }
+
+/// Every device the driver reports has a context of its own (device 0's
+/// is `cuda()`), allocates device memory and events there, and reaches
+/// pinned memory at its host address; a device it does not report is a
+/// clear error naming how many it does.
+#[test]
+#[ignore = "requires GPU"]
+fn every_device_has_a_context_and_others_are_clear_errors() {
+    use kvfs::gpu::cuda::cuda_on;
+    let c0 = cuda().expect("a CUDA driver");
+    assert!(std::ptr::eq(cuda_on(0).unwrap(), c0));
+    let b = HostBuf::alloc(1 << 20).unwrap();
+    assert_eq!(
+        b.device_ptr(),
+        Some(b.as_ptr() as u64),
+        "unified addressing"
+    );
+    for d in 0..c0.count {
+        let c = cuda_on(d).unwrap_or_else(|e| panic!("device {d}: {e}"));
+        assert_eq!(c.device, d);
+        let m = c.alloc_device(1 << 20).unwrap();
+        assert_eq!(m.len(), 1 << 20);
+        let e = c.new_ipc_event().unwrap();
+        c.wait_event(&e).unwrap();
+        eprintln!("CUDA device {d} ({}): context, memory and events", c.name);
+    }
+    for bad in [c0.count, -1, 1000] {
+        let e = cuda_on(bad).err().expect("no such device");
+        assert!(e.contains(&format!("reports {}", c0.count)), "{e}");
+    }
+}

@@ -125,6 +125,14 @@ def correctness_strided(kv, gb, dev, place):
 
 
 def correctness(kv, gb, dev):
+    # A device the driver does not report is refused with ENODEV, naming the count.
+    import errno
+    try:
+        kv.register_cuda_region(bytes(64), 4096, device=torch.cuda.device_count())
+        raise AssertionError("a REGISTER of a device that does not exist was accepted")
+    except OSError as e:
+        assert e.errno == errno.ENODEV, e
+        log(f"REGISTER of CUDA device {torch.cuda.device_count()}: refused with ENODEV ({e})")
     n = 256
     data = torch.randint(0, 256, (n * gb,), dtype=torch.uint8, device=dev)
     expect = data.clone()

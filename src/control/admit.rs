@@ -69,6 +69,14 @@ impl Batch {
         self.regions.first().is_some_and(|r| r.is_cuda())
     }
 
+    /// The CUDA device of a CUDA batch (admission keeps a batch to one).
+    pub(super) fn cuda_device(&self) -> i32 {
+        self.regions
+            .first()
+            .and_then(|r| r.cuda_device())
+            .unwrap_or(0)
+    }
+
     /// Entries whose region's file shrank under the copy fail with EFAULT.
     pub(super) fn mark_damaged(
         &self,
@@ -297,6 +305,20 @@ impl Session {
                         i as u32,
                         format!(
                             "entry {i}: one batch targets host regions or CUDA regions, not both"
+                        ),
+                    ));
+                }
+                if let (Some(a), Some(b)) = (
+                    batch.regions.first().and_then(|r| r.cuda_device()),
+                    region.cuda_device(),
+                ) && a != b
+                {
+                    return Err(reject(
+                        libc::EINVAL,
+                        i as u32,
+                        format!(
+                            "entry {i}: region {id} is on CUDA device {b}, the batch's first region on device {a}; \
+                             a batch names regions of one device (submit a batch a device)"
                         ),
                     ));
                 }

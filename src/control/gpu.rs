@@ -21,7 +21,7 @@ use crate::cascade::CascadeError;
 use crate::cascade::DevicePins;
 use crate::geometry::GroupIndex;
 use crate::gpu::cuda::Rows;
-use crate::gpu::engine::{Descriptor, PooledEvent, Runs};
+use crate::gpu::engine::{Descriptor, Engine, Lane, PooledEvent, Runs};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -199,6 +199,7 @@ impl Session {
         admitted: Instant,
     ) -> Result<Reply, Rejection> {
         crate::gpu::cuda::cuda().ok_or_else(no_driver)?;
+        let gpu = self.ctl.gpu.on(work.cuda_device());
         let n = work.len();
         let layout = self.ctl.cascade.layout();
         let (gb, stride) = (layout.group_bytes(), layout.stride() as usize);
@@ -225,12 +226,10 @@ impl Session {
         };
         if let Some((addrs, pins)) = pinned {
             let resident_us = checked.elapsed().as_micros() as u64;
-            if let Some(runs) = self.engine_runs(&work, &addrs, gb, shape.engine_unit()) {
+            if let Some(runs) = self.engine_runs(&gpu, &work, &addrs, gb, shape.engine_unit()) {
                 let n_runs = runs.len();
-                let copy = self
-                    .ctl
-                    .gpu
-                    .copy_runs(runs, &mut self.lane.lock())
+                let copy = gpu
+                    .copy_runs(runs, &mut self.lane(&gpu).lock())
                     .map_err(fail)?;
                 let (ticket, reply) = self.gpu_ticket(copy.event());
                 tracing::debug!(
@@ -241,13 +240,12 @@ impl Session {
                     resident_us,
                     "GPU restore of pinned T1 groups on the copy engines"
                 );
-                self.release_after(ticket, n, pins, move || copy.finish());
+                self.release_after(&gpu, ticket, n, pins, move || copy.finish());
                 return Ok(reply);
             }
-            let mut lane = self.lane.lock();
-            let mut copy = self
-                .ctl
-                .gpu
+            let lane = self.lane(&gpu);
+            let mut lane = lane.lock();
+            let mut copy = gpu
                 .restore(
                     n * per,
                     unit,
@@ -275,13 +273,11 @@ impl Session {
                 resident_us,
                 "GPU restore of pinned T1 groups by the kernel"
             );
-            self.release_after(ticket, n, pins, move || copy.finish());
+            self.release_after(&gpu, ticket, n, pins, move || copy.finish());
             return Ok(reply);
         }
         let resident_us = checked.elapsed().as_micros() as u64;
-        let mut copy = self
-            .ctl
-            .gpu
+        let mut copy = gpu
             .restore(n * per, unit, stride, n, shape.kernel_rows(true), None)
             .map_err(fail)?;
         let (ticket, reply) = self.gpu_ticket(copy.event());
@@ -348,7 +344,7 @@ impl Session {
                 );
                 copy.start();
                 let done = s.clone();
-                s.ctl.gpu.then(Box::new(move || {
+                gpu.then(Box::new(move || {
                     let r = copy.finish();
                     tracing::debug!(ticket, ok = r.is_ok(), "GPU restore: copy done");
                     if let Err(e) = r {
@@ -363,6 +359,17 @@ impl Session {
             }),
         );
         Ok(reply)
+    }
+
+    /// This fd's ordered lane on `gpu`'s device.
+    fn lane(&self, gpu: &Engine) -> Arc<Lane> {
+        let mut lanes = self.lanes.lock();
+        if let Some((_, l)) = lanes.iter().find(|(d, _)| *d == gpu.device()) {
+            return l.clone();
+        }
+        let l = Arc::new(gpu.lane());
+        lanes.push((gpu.device(), l.clone()));
+        l
     }
 
     /// A new ticket of a GPU restore and its reply, which carries the
@@ -381,6 +388,7 @@ impl Session {
     /// slots cannot hold up their release.
     fn release_after(
         self: &Arc<Session>,
+        gpu: &Engine,
         ticket: u64,
         n: usize,
         pins: DevicePins,
@@ -388,7 +396,7 @@ impl Session {
     ) {
         let s = self.clone();
         let started = Instant::now();
-        self.ctl.gpu.then(Box::new(move || {
+        gpu.then(Box::new(move || {
             let r = finish();
             drop(pins);
             s.complete(Command::Restore, ticket, started, copy_results(n, &r));
@@ -398,9 +406,16 @@ impl Session {
     /// The runs of a restore of pinned T1 groups (at `addrs`) when the
     /// copy mode puts it on the copy engines; None when the kernel copies.
     /// (copies of `unit` bytes; see Shape).
-    fn engine_runs(&self, work: &Batch, addrs: &[u64], gb: u64, unit: u64) -> Option<Runs> {
+    fn engine_runs(
+        &self,
+        gpu: &Engine,
+        work: &Batch,
+        addrs: &[u64],
+        gb: u64,
+        unit: u64,
+    ) -> Option<Runs> {
         let mode = copy_mode();
-        if mode == CopyMode::Kernel || !self.ctl.gpu.has_copy_engines() {
+        if mode == CopyMode::Kernel || !gpu.has_copy_engines() {
             return None;
         }
         // Auto: as soon as the runs are too many for ENGINE_RUN_BYTES on
@@ -430,6 +445,7 @@ impl Session {
         let mut copy = self
             .ctl
             .gpu
+            .on(work.cuda_device())
             .store(work.len(), gb, stride, shape.unit, shape.kernel_rows(false))
             .map_err(|e| {
                 reject(

@@ -86,8 +86,8 @@ pub struct Control {
     timer: Arc<Timer>,
     stats: ControlStats,
     on_change: OnceLock<ChangeHook>,
-    /// The GPU transfer engine (idle, holding nothing, without a driver).
-    gpu: crate::gpu::engine::Engine,
+    /// The GPU transfer engines, one a device (none without a driver).
+    gpu: crate::gpu::engine::Engines,
 }
 
 impl Control {
@@ -153,7 +153,7 @@ impl Control {
             gid,
             may_write,
             st: Mutex::new(SessionState::default()),
-            lane: self.gpu.lane(),
+            lanes: Mutex::new(Vec::new()),
         })
     }
 

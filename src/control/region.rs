@@ -36,6 +36,8 @@ enum Memory {
         dptr: u64,
         /// What cuIpcOpenMemHandle returned (closed on drop).
         ipc_base: u64,
+        /// The CUDA device the memory is on.
+        device: i32,
     },
 }
 
@@ -49,8 +51,10 @@ unsafe impl Sync for Region {}
 
 impl Drop for Region {
     fn drop(&mut self) {
-        if let Memory::Cuda { ipc_base, .. } = self.mem
-            && let Some(c) = crate::gpu::cuda::cuda()
+        if let Memory::Cuda {
+            ipc_base, device, ..
+        } = self.mem
+            && let Ok(c) = crate::gpu::cuda::cuda_on(device)
         {
             c.close_ipc_mem_later(ipc_base);
         }
@@ -68,6 +72,14 @@ impl Region {
 
     pub fn is_cuda(&self) -> bool {
         matches!(self.mem, Memory::Cuda { .. })
+    }
+
+    /// The CUDA device of a CUDA region.
+    pub(super) fn cuda_device(&self) -> Option<i32> {
+        match self.mem {
+            Memory::Cuda { device, .. } => Some(device),
+            Memory::Host { .. } => None,
+        }
     }
 
     /// The device address of byte `offset` of a CUDA region.
@@ -250,16 +262,17 @@ impl Region {
         handle.copy_from_slice(&payload[..64]);
         let offset = u64::from_le_bytes(payload[64..72].try_into().expect("8 bytes"));
         let device = u32::from_le_bytes(payload[72..76].try_into().expect("4 bytes"));
-        if device as i32 != c.device {
-            return Err(reject(
-                libc::ENODEV,
-                NO_ENTRY,
-                format!(
-                    "CUDA device {device}: this kvfs drives device {} only",
-                    c.device
-                ),
-            ));
-        }
+        // Any device the driver reports, in that device's own context.
+        let c = i32::try_from(device)
+            .map_err(|_| format!("CUDA device {device}: no such device"))
+            .and_then(|d| {
+                if d == c.device {
+                    Ok(c)
+                } else {
+                    crate::gpu::cuda::cuda_on(d)
+                }
+            })
+            .map_err(|e| reject(libc::ENODEV, NO_ENTRY, e))?;
         if len == 0 {
             return Err(reject(
                 libc::EINVAL,
@@ -280,6 +293,7 @@ impl Region {
             mem: Memory::Cuda {
                 dptr: base + offset,
                 ipc_base: base,
+                device: c.device,
             },
         };
         if offset.checked_add(len).is_none_or(|end| end > avail) {

@@ -11,11 +11,17 @@ use cudarc::driver::{result, sys};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The driver and the device kvfs pins its memory for.
+/// The driver's context of one device: device 0's pins kvfs's memory
+/// (portable, so every context may use it); any device's serves the
+/// CUDA regions of that device (see `cuda_on`).
 pub struct Cuda {
     ctx: sys::CUcontext,
     pub device: i32,
     pub name: String,
+    /// Devices the driver reports.
+    pub count: i32,
+    /// kvfs_gather and kvfs_gather_rows, loaded once in this context.
+    gather: OnceLock<Result<[Kernel; 2], String>>,
 }
 
 // SAFETY: a CUcontext handle may be made current on any thread; the
@@ -101,6 +107,23 @@ fn library_present() -> bool {
     })
 }
 
+/// Retains the primary context of `device`.
+fn open_device(device: i32, count: i32) -> Result<Cuda, String> {
+    let dev = result::device::get(device)
+        .map_err(|e| format!("cannot open CUDA device {device}: {e:?}"))?;
+    let name = result::device::get_name(dev).unwrap_or_else(|_| "?".into());
+    // SAFETY: dev came from device::get.
+    let ctx = unsafe { result::primary_ctx::retain(dev) }
+        .map_err(|e| format!("cannot retain the context of CUDA device {device}: {e:?}"))?;
+    Ok(Cuda {
+        ctx,
+        device,
+        name,
+        count,
+        gather: OnceLock::new(),
+    })
+}
+
 fn init() -> Result<Cuda, String> {
     if !library_present() {
         return Err(format!(
@@ -113,16 +136,7 @@ fn init() -> Result<Cuda, String> {
     if n < 1 {
         return Err("the CUDA driver sees no device".into());
     }
-    let dev = result::device::get(0).map_err(|e| format!("cannot open CUDA device 0: {e:?}"))?;
-    let name = result::device::get_name(dev).unwrap_or_else(|_| "?".into());
-    // SAFETY: dev came from device::get.
-    let ctx = unsafe { result::primary_ctx::retain(dev) }
-        .map_err(|e| format!("cannot retain the context: {e:?}"))?;
-    Ok(Cuda {
-        ctx,
-        device: 0,
-        name,
-    })
+    open_device(0, n as i32)
 }
 
 /// The CUDA driver, probed once; None (logged once) where there is none.
@@ -142,6 +156,50 @@ pub fn cuda() -> Option<&'static Cuda> {
         }
     })
     .as_ref()
+}
+
+/// Contexts of devices other than 0, opened on first use.
+static OTHERS: OnceLock<Vec<OnceLock<Result<Cuda, String>>>> = OnceLock::new();
+
+/// Whether every pinned buffer's device address is its host address
+/// (unified addressing): then T1, staging and descriptor tables, pinned
+/// once in device 0's context, are reached at the same address from every
+/// device's context. Cleared by the first allocation where it is not.
+static PINNED_SAME_ADDRESS: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(true);
+
+/// The context of CUDA device `device`: device 0's is `cuda()`; others
+/// are opened on first use. Errors: no driver, a device the driver does
+/// not report (the message names how many it does), or a machine where
+/// pinned memory is not reached at one address from every device.
+pub fn cuda_on(device: i32) -> Result<&'static Cuda, String> {
+    let c0 = cuda().ok_or_else(|| unavailable_reason().to_string())?;
+    if device == c0.device {
+        return Ok(c0);
+    }
+    if device < 0 || device >= c0.count {
+        return Err(format!(
+            "CUDA device {device}: the driver reports {} device{} (0..{})",
+            c0.count,
+            if c0.count == 1 { "" } else { "s" },
+            c0.count - 1
+        ));
+    }
+    if !PINNED_SAME_ADDRESS.load(Ordering::Acquire) {
+        return Err(format!(
+            "CUDA device {device}: kvfs's pinned memory has another address on the \
+             device than on the host here (no unified addressing), so only device 0 is served"
+        ));
+    }
+    let others = OTHERS.get_or_init(|| (0..c0.count).map(|_| OnceLock::new()).collect());
+    others[device as usize]
+        .get_or_init(|| {
+            let c = open_device(device, c0.count)?;
+            tracing::info!("CUDA device {device} ({}): serving its regions", c.name);
+            Ok(c)
+        })
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// Why CUDA work cannot be done here, for error messages.
@@ -175,6 +233,9 @@ impl Cuda {
             return Err(format!("cuMemHostGetDevicePointer: {r:?}"));
         }
         PINNED_BYTES.fetch_add(len as u64, Ordering::Relaxed);
+        if d != p as u64 {
+            PINNED_SAME_ADDRESS.store(false, Ordering::Release);
+        }
         Ok((p.cast(), d))
     }
 
@@ -195,6 +256,7 @@ impl Cuda {
 pub struct DeviceBuf {
     ptr: sys::CUdeviceptr,
     len: usize,
+    c: &'static Cuda,
 }
 
 impl DeviceBuf {
@@ -213,9 +275,7 @@ impl DeviceBuf {
 
 impl Drop for DeviceBuf {
     fn drop(&mut self) {
-        if let Some(c) = cuda()
-            && c.bind().is_ok()
-        {
+        if self.c.bind().is_ok() {
             // SAFETY: ptr came from cuMemAlloc and no copy uses it any more
             // (owners drop it only after the copies' event completed).
             quietly(|| unsafe {
@@ -228,14 +288,14 @@ impl Drop for DeviceBuf {
 
 impl Cuda {
     /// `len` bytes of device memory.
-    pub fn alloc_device(&self, len: usize) -> Result<DeviceBuf, String> {
+    pub fn alloc_device(&'static self, len: usize) -> Result<DeviceBuf, String> {
         self.bind()?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: ptr receives a fresh allocation.
         let r = quietly(|| unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) });
         check(r, "cuMemAlloc")?;
         DEVICE_BYTES.fetch_add(len as u64, Ordering::Relaxed);
-        Ok(DeviceBuf { ptr, len })
+        Ok(DeviceBuf { ptr, len, c: self })
     }
 }
 
@@ -273,6 +333,7 @@ unsafe impl Send for Stream {}
 pub struct IpcEvent {
     ev: sys::CUevent,
     pub handle: [u8; 64],
+    c: &'static Cuda,
 }
 // SAFETY: event handles may be used from any thread with the context bound.
 unsafe impl Send for IpcEvent {}
@@ -281,9 +342,7 @@ unsafe impl Sync for IpcEvent {}
 
 impl Drop for IpcEvent {
     fn drop(&mut self) {
-        if let Some(c) = cuda()
-            && c.bind().is_ok()
-        {
+        if self.c.bind().is_ok() {
             // SAFETY: ev was created by new_ipc_event and is dropped once.
             unsafe {
                 sys::cuEventDestroy_v2(self.ev);
@@ -297,8 +356,6 @@ struct Kernel(sys::CUfunction);
 unsafe impl Send for Kernel {}
 // SAFETY: as for Send.
 unsafe impl Sync for Kernel {}
-/// kvfs_gather and kvfs_gather_rows, loaded once.
-static GATHER: OnceLock<Result<[Kernel; 2], String>> = OnceLock::new();
 
 impl Cuda {
     /// Opens a CUDA IPC memory handle; returns the allocation's base address
@@ -346,23 +403,23 @@ impl Cuda {
     /// waiting on a restore's gate that jobs elsewhere open; the thread
     /// that lets go of a region (a FUSE thread closing a session, the
     /// completion thread) must not stop meanwhile.
-    pub fn close_ipc_mem_later(&self, base: u64) {
-        static CLOSER: OnceLock<parking_lot::Mutex<std::sync::mpsc::Sender<u64>>> = OnceLock::new();
+    pub fn close_ipc_mem_later(&'static self, base: u64) {
+        type Closing = (&'static Cuda, u64);
+        static CLOSER: OnceLock<parking_lot::Mutex<std::sync::mpsc::Sender<Closing>>> =
+            OnceLock::new();
         let tx = CLOSER.get_or_init(|| {
-            let (tx, rx) = std::sync::mpsc::channel::<u64>();
+            let (tx, rx) = std::sync::mpsc::channel::<Closing>();
             std::thread::Builder::new()
                 .name("kvfs-ipc-close".into())
                 .spawn(move || {
-                    for base in rx {
-                        if let Some(c) = cuda() {
-                            c.close_ipc_mem(base);
-                        }
+                    for (c, base) in rx {
+                        c.close_ipc_mem(base);
                     }
                 })
                 .expect("cannot start the CUDA IPC close thread");
             parking_lot::Mutex::new(tx)
         });
-        let _ = tx.lock().send(base);
+        let _ = tx.lock().send((self, base));
     }
 
     pub fn new_stream(&self) -> Result<Stream, String> {
@@ -378,7 +435,7 @@ impl Cuda {
 
     /// An event other processes can open (cuIpcOpenEventHandle,
     /// torch.cuda.Event.from_ipc_handle) and wait on from their streams.
-    pub fn new_ipc_event(&self) -> Result<IpcEvent, String> {
+    pub fn new_ipc_event(&'static self) -> Result<IpcEvent, String> {
         self.bind()?;
         let mut ev = std::ptr::null_mut();
         let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
@@ -400,12 +457,16 @@ impl Cuda {
         for (d, s) in handle.iter_mut().zip(h.reserved) {
             *d = s as u8;
         }
-        Ok(IpcEvent { ev, handle })
+        Ok(IpcEvent {
+            ev,
+            handle,
+            c: self,
+        })
     }
 
     /// The gather kernel: for contiguous copies, or (`rows`) for rows.
     fn gather(&self, rows: bool) -> Result<sys::CUfunction, String> {
-        GATHER
+        self.gather
             .get_or_init(|| {
                 self.bind()?;
                 let mut m = std::ptr::null_mut();

@@ -129,9 +129,11 @@ impl Drop for ReadyFlag {
 /// Work for the completion thread (see `Engine::then`).
 pub type Completion = Box<dyn FnOnce() + Send>;
 
-/// Reused GPU resources.
+/// Reused GPU resources of one device.
 #[derive(Default)]
 struct Pool {
+    /// The device (its context: `cuda::cuda_on`).
+    dev: i32,
     events: Arc<Mutex<Vec<IpcEvent>>>,
     device: Mutex<Vec<DeviceBuf>>,
     streams: Mutex<Vec<Stream>>,
@@ -141,11 +143,11 @@ struct Pool {
     completer: OnceLock<Mutex<std::sync::mpsc::Sender<Completion>>>,
 }
 
-fn driver() -> Result<&'static Cuda, String> {
-    super::cuda::cuda().ok_or_else(|| "no CUDA driver".into())
-}
-
 impl Pool {
+    fn driver(&self) -> Result<&'static Cuda, String> {
+        super::cuda::cuda_on(self.dev)
+    }
+
     /// Device memory for a ticket's descriptors.
     fn take_device(&self, len: usize) -> Result<DeviceBuf, String> {
         let mut t = self.device.lock();
@@ -153,7 +155,8 @@ impl Pool {
             return Ok(t.swap_remove(i));
         }
         drop(t);
-        driver()?.alloc_device(len.next_power_of_two().max(4096))
+        self.driver()?
+            .alloc_device(len.next_power_of_two().max(4096))
     }
 
     fn give_device(&self, b: DeviceBuf) {
@@ -172,7 +175,7 @@ impl Pool {
         let pooled = self.events.lock().pop();
         let ev = match pooled {
             Some(e) => e,
-            None => driver()?.new_ipc_event()?,
+            None => self.driver()?.new_ipc_event()?,
         };
         Ok(PooledEvent {
             ev: Some(ev),
@@ -207,7 +210,7 @@ impl Pool {
         if let Some(s) = self.streams.lock().pop() {
             return Ok(s);
         }
-        driver()?.new_stream()
+        self.driver()?.new_stream()
     }
 
     /// Drops GPU memory (pinned or device) on a thread of its own: a
@@ -256,10 +259,34 @@ impl Pool {
     }
 }
 
-/// The transfer engine of one process (device 0 today).
+/// The transfer engine of one device: its streams, events, kernels,
+/// descriptor memory and completion thread.
 #[derive(Default)]
 pub struct Engine {
     pool: Arc<Pool>,
+}
+
+/// The engines of a process, one a device, each made on first use.
+#[derive(Default)]
+pub struct Engines(Mutex<Vec<Arc<Engine>>>);
+
+impl Engines {
+    /// The engine of CUDA device `device` (whose context `cuda::cuda_on`
+    /// has opened).
+    pub fn on(&self, device: i32) -> Arc<Engine> {
+        let mut v = self.0.lock();
+        if let Some(e) = v.iter().find(|e| e.pool.dev == device) {
+            return e.clone();
+        }
+        let e = Arc::new(Engine {
+            pool: Arc::new(Pool {
+                dev: device,
+                ..Pool::default()
+            }),
+        });
+        v.push(e.clone());
+        e
+    }
 }
 
 /// An ordered stream: copies enqueued on it run in submission order (a
@@ -352,6 +379,11 @@ impl Engine {
         let _ = tx.lock().send(f);
     }
 
+    /// The device this engine serves.
+    pub fn device(&self) -> i32 {
+        self.pool.dev
+    }
+
     /// An ordered stream for one client.
     pub fn lane(&self) -> Lane {
         Lane {
@@ -378,7 +410,7 @@ impl Engine {
         rows: Option<Rows>,
         lane: Option<&mut LaneGuard<'_>>,
     ) -> Result<Restore, String> {
-        let c = driver()?;
+        let c = self.pool.driver()?;
         let pool = &self.pool;
         let table = pool.take_table(n)?;
         let table_dev = table
@@ -452,7 +484,7 @@ impl Engine {
         unit: u64,
         rows: Option<Rows>,
     ) -> Result<Store, String> {
-        let c = driver()?;
+        let c = self.pool.driver()?;
         let pool = &self.pool;
         let chunk = (STORE_CHUNK / stride).clamp(1, n.max(1));
         let per = (bytes / unit) as usize;
@@ -551,7 +583,10 @@ impl DirectRestore {
 impl Engine {
     /// Whether `copy_runs` can run here (a CUDA 13 driver).
     pub fn has_copy_engines(&self) -> bool {
-        driver().map(|c| c.has_batch_copy()).unwrap_or(false)
+        self.pool
+            .driver()
+            .map(|c| c.has_batch_copy())
+            .unwrap_or(false)
     }
 
     /// Enqueues `runs` on `lane`, on the copy engines (one
@@ -564,7 +599,7 @@ impl Engine {
         mut runs: Runs,
         lane: &mut LaneGuard<'_>,
     ) -> Result<DirectRestore, String> {
-        let c = driver()?;
+        let c = self.pool.driver()?;
         let event = Arc::new(self.pool.take_event()?);
         let stream = match &mut *lane.0 {
             Some(s) => s,
