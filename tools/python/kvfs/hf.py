@@ -261,6 +261,9 @@ class KvfsCache(Cache):
         need = batch_size * self.blocks_per_seq
         self.base = self.index.lease(need, g["blocks"])
         self.device = torch.device(device or "cuda")
+        if self.device.type == "cuda" and self.device.index is None:
+            # The current device, by number: its regions and events are registered there.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type != "cuda":
             raise ValueError("KvfsCache restores into GPU memory: give a CUDA device")
         self.prefetch = max(1, min(prefetch, layers - 1))
