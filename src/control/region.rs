@@ -237,7 +237,7 @@ impl Region {
     /// handle (64 bytes), offset into the allocation (u64), device ordinal
     /// (u32), pad.
     pub(super) fn open_cuda(payload: &[u8], len: u64) -> Result<Region, Rejection> {
-        let Some(c) = crate::gpu::cuda::cuda() else {
+        if crate::gpu::cuda::cuda().is_none() {
             return Err(reject(
                 libc::ENODEV,
                 NO_ENTRY,
@@ -246,7 +246,7 @@ impl Region {
                     crate::gpu::cuda::unavailable_reason()
                 ),
             ));
-        };
+        }
         if payload.len() != wire::CUDA_REGISTER_BYTES {
             return Err(reject(
                 libc::EINVAL,
@@ -265,13 +265,7 @@ impl Region {
         // Any device the driver reports, in that device's own context.
         let c = i32::try_from(device)
             .map_err(|_| format!("CUDA device {device}: no such device"))
-            .and_then(|d| {
-                if d == c.device {
-                    Ok(c)
-                } else {
-                    crate::gpu::cuda::cuda_on(d)
-                }
-            })
+            .and_then(crate::gpu::cuda::cuda_on)
             .map_err(|e| reject(libc::ENODEV, NO_ENTRY, e))?;
         if len == 0 {
             return Err(reject(
