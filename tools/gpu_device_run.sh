@@ -20,17 +20,23 @@ pkill -9 -f gpu_e2e; pkill -9 -f kvfs-bin; for m in k16 k4 kg; do umount -l /mnt
 # store chunk (claiming slots, the copy, writing staged groups): LOG=debug.
 export RUST_LOG=info${LOG:+,kvfs::control=$LOG}
 mkdir -p /mnt/k16 /mnt/k4 /mnt/kg
-$B mount /mnt/k16 --backing /tmp/b16 --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
+$B mount /mnt/k16 --backing /tmp/b16 --t1 2GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
 $B mount /mnt/k4 --backing /tmp/b4 --t1 2GiB --preset llama-3.1-8b || exit 1
 $B mount /mnt/kg --backing /tmp/bg --t1 8KiB --layers 1 --blocks 4 --kv-heads 1 --head-dim 128 --block-tokens 16 --dtype bf16 || exit 1
 set -o pipefail
 fail=0
 echo "== e2e 16 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --ring --target 0.85 2>&1 | tail -25 || fail=1
-echo "== e2e 4 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k4 --batch 4096 --inflight 4 --rounds 128 --target 0.80 2>&1 | tail -20 || fail=1
+echo "== e2e 4 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k4 --batch 4096 --inflight 4 --rounds 128 --ring --target 0.80 2>&1 | tail -20 || fail=1
 # Strided entries: the rows kernel (the default) at pitch 512 (through the
 # ring too) and 2048; then the same batches in pieces (KVFS_GPU_ROWS=pieces).
-for p in 512 2048; do echo "== e2e 16 KiB strided (64 rows of 256 B, pitch $p), rows kernel"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --row 256 --pitch $p $([ $p = 512 ] && echo "--ring --target 0.85") 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1; done
-mkdir -p /mnt/kr; KVFS_GPU_ROWS=pieces $B mount /mnt/kr --backing /tmp/br --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
+# Each on a mount of its own: the run before leaves T1 full of dirty groups
+# (its misses), so new groups there would wait on evictions to the disk.
+for p in 512 2048; do
+  rm -rf /tmp/bs; mkdir -p /mnt/ks; $B mount /mnt/ks --backing /tmp/bs --t1 2GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
+  echo "== e2e 16 KiB strided (64 rows of 256 B, pitch $p), rows kernel"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/ks --batch 1024 --inflight 4 --rounds 128 --row 256 --pitch $p $([ $p = 512 ] && echo "--ring --target 0.85") 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1
+  timeout -k 2 20 $B umount /mnt/ks; rm -rf /tmp/bs
+done
+mkdir -p /mnt/kr; KVFS_GPU_ROWS=pieces $B mount /mnt/kr --backing /tmp/br --t1 2GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
 echo "== e2e 16 KiB strided (64 rows of 256 B, pitch 512), in pieces"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/kr --batch 1024 --inflight 4 --rounds 128 --row 256 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1
 timeout -k 2 20 $B umount /mnt/kr; rm -rf /tmp/br
 echo "== engine layouts in GPU memory"; KVFS_MOUNT=/mnt/k16 PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_layouts.py 2>&1 | tail -8 || fail=1

@@ -217,6 +217,10 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
     batches = [kv.encode_entries(entries()) for _ in range(rounds)]
     total = rounds * batch * gb
 
+    # Stores of new groups below: `fresh_n` runs of `new_rounds` batches,
+    # all of them in half of T1 (half the runs through the ring, with it).
+    fresh_n = reps * (2 if use_ring else 1)
+    new_rounds = min(rounds, (t1_groups // 2) // (fresh_n * batch))
     calls = {"restore": 0.0, "wait": 0.0}
     spans = []  # (ticket, wall time the RESTORE call began, ended), last run
 
@@ -267,17 +271,21 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
         # shared memory, completions reaped (no IPC event: the host waits).
         from kvfs import RESTORE
 
-        ring = kv.ring(entries=2 * inflight, data_bytes=sum(len(b) for b in batches) + 4096)
+        # Room for these batches and the stores' below (as many again, and
+        # the new-group runs).
+        ring = kv.ring(entries=2 * inflight, data_bytes=len(batches[0]) * (2 * rounds + fresh_n * new_rounds) + 4096)
         handles = [ring.put(b) for b in batches]
         sub = []
 
-        def ring_pipelined():
+        def ring_pipelined(hs=handles, op=RESTORE):
             flying = 0
-            for h in handles:
+            for h in hs:
                 while flying >= inflight:
-                    flying -= len(ring.reap(1, timeout=WAIT_S))
+                    got = ring.reap(1, timeout=WAIT_S)
+                    assert all(c.status == 0 for c in got), got
+                    flying -= len(got)
                 t0 = time.perf_counter()
-                assert ring.submit(RESTORE, h)
+                assert ring.submit(op, h)
                 sub.append(time.perf_counter() - t0)
                 flying += 1
             while flying:
@@ -293,6 +301,7 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
 
         ring_pipelined()
         ring_fig = (median(ring_pipelined), median(ring_one), statistics.median(sub) * 1e6)
+        sub.clear()
     # Stores (GPU -> T1, write-back) of the same batch shape: each batch
     # overwrites `batch` distinct T1-resident groups from scattered places
     # of the source tensor.
@@ -317,19 +326,34 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
 
     stores()  # warm
     t_store = median(stores)
+    t_store_ring = t_new_ring = None
+    if use_ring:
+        from kvfs import STORE
+
+        shandles = [ring.put(b) for b in sbatches]
+        t_store_ring = median(lambda: ring_pipelined(shandles, STORE))
     # Stores of groups new to T1 (what an engine offloading fresh KV
     # blocks does): the kernel writes straight into free T1 slots. Each run
     # takes a fresh key range, so all of them fit in half of T1.
-    new_rounds = min(rounds, (t1_groups // 2) // (reps * batch))
     t_new = None
     if new_rounds >= 4:
         fresh_runs = []
-        for rep in range(reps):
+        for rep in range(fresh_n):
             ks = keys_of(layout, new_rounds * batch, start=hot + rep * new_rounds * batch)
             fresh_runs.append([kv.encode_entries([place.entry(k, rs, q) for k, q in zip(
                 ks[r * batch:(r + 1) * batch], torch.randperm(hot, generator=g)[:batch].tolist())])
                 for r in range(new_rounds)])
-        t_new = statistics.median(timed(lambda: store_pipelined(runs)) for runs in fresh_runs)
+        # Half the runs through ioctls, half through the ring (alternating,
+        # each on fresh groups).
+        by_ioctl, by_ring = [], []
+        for k, runs in enumerate(fresh_runs):
+            if use_ring and k % 2:
+                hs = [ring.put(b) for b in runs]
+                by_ring.append(timed(lambda: ring_pipelined(hs, STORE)))
+            else:
+                by_ioctl.append(timed(lambda: store_pipelined(runs)))
+        t_new = statistics.median(by_ioctl)
+        t_new_ring = statistics.median(by_ring) if by_ring else None
     # Baseline: one large pinned copy of the same total bytes.
     host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     big = torch.empty(total, dtype=torch.uint8, device=dev)
@@ -367,10 +391,15 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
     print(f"  one large pinned D2H copy (baseline)   {base_d2h:7.2f} GB/s")
     print(f"  kvfs store, {inflight} tickets in flight         {gbps(t_store):7.2f} GB/s  ({gbps(t_store) / base_d2h:.2f} of baseline)"
           "  (overwrites of dirty T1 groups: through staging)")
+    if t_store_ring is not None:
+        print(f"  through the ring, {inflight} in flight         {gbps(t_store_ring):7.2f} GB/s  ({gbps(t_store_ring) / base_d2h:.2f})")
     if t_new is not None:
         nb = new_rounds * batch * gb
         print(f"  kvfs store, new groups, {inflight} in flight  {nb / t_new / 1e9:7.2f} GB/s  ({nb / t_new / 1e9 / base_d2h:.2f} of baseline)"
-              f"  ({new_rounds} batches a run: straight into free T1 slots)")
+              f"  ({new_rounds} batches a run: straight into free T1 slots; median of {len(by_ioctl)})")
+    if t_new_ring is not None:
+        print(f"  through the ring, {inflight} in flight         {nb / t_new_ring / 1e9:7.2f} GB/s  ({nb / t_new_ring / 1e9 / base_d2h:.2f})"
+              f"  (median of {len(by_ring)})")
     # Misses: groups pushed out of T1 by storing more than it holds.
     spill = t1_groups + batch
     if layout["groups"] >= hot + spill:

@@ -228,12 +228,23 @@ pub struct CascadeStats {
     pub dirty_bytes: u64,
 }
 
-/// Hashes a group index with one multiply (Fibonacci hashing): the map is
-/// probed on every read and write under the state lock, and group indices
-/// are not attacker-chosen in a way that could hurt more than one client's
-/// own cache, so SipHash's cost buys nothing here.
+/// Hashes a group index for the slot map, which is probed on every read
+/// and write under the state lock: cheap (two multiplies; group indices
+/// are not attacker-chosen in a way that could hurt more than one
+/// client's own cache, so SipHash's cost buys nothing here), and kind to
+/// the cache. hashbrown takes a bucket from the hash's low bits and a tag
+/// from its top 7: the low INDEX_RUN_BITS of the index stay as they are,
+/// so each run of 64 consecutive groups (a layer's blocks, a sequence's
+/// K and V) lands in 64 neighbouring buckets, a few cache lines, where
+/// every group of a batch would otherwise miss the cache on its own; the
+/// bits above are mixed (the high half of a Fibonacci product), so
+/// indices a power of two apart (one block across layers) spread out;
+/// and the tag mixes every bit, so neighbours rarely share one.
 #[derive(Default)]
 struct IndexHasher(u64);
+
+/// Low bits of a group index its hash keeps (see IndexHasher).
+const INDEX_RUN_BITS: u32 = 6;
 
 /// Default write-backs awaiting a sync before one is forced (see
 /// bound_unsynced): about 40 MB of bookkeeping at most.
@@ -251,7 +262,11 @@ impl Hasher for IndexHasher {
     }
 
     fn write_u64(&mut self, v: u64) {
-        self.0 = (v ^ (v >> 32)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        const FIB: u64 = 0x9e37_79b9_7f4a_7c15;
+        let run = v & ((1 << INDEX_RUN_BITS) - 1);
+        let spread = ((v >> INDEX_RUN_BITS).wrapping_mul(FIB) >> 32) << INDEX_RUN_BITS;
+        let tag = (v ^ (v >> 29)).wrapping_mul(FIB) & (0x7f << 57);
+        self.0 = tag | ((spread | run) & ((1 << 57) - 1));
     }
 }
 
@@ -588,5 +603,39 @@ impl Drop for Cascade {
         if let Err(e) = self.sync_all() {
             tracing::error!("flush on close failed; dirty groups were lost: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{INDEX_RUN_BITS, IndexHasher};
+    use std::collections::HashSet;
+    use std::hash::Hasher;
+
+    fn hash(v: u64) -> u64 {
+        let mut h = IndexHasher::default();
+        h.write_u64(v);
+        h.finish()
+    }
+
+    /// Neighbouring groups land in neighbouring buckets, groups a power of
+    /// two apart do not share a bucket, and tags differ among neighbours.
+    #[test]
+    fn index_hash_keeps_runs_together_and_spreads_the_rest() {
+        let mask = (1u64 << 20) - 1; // the buckets of a T1 of 512Ki slots
+        let base = 5u64 << 30;
+        let run = 1u64 << INDEX_RUN_BITS;
+        for i in 1..run {
+            assert_eq!(hash(base + i) & mask, (hash(base) & mask) + i);
+        }
+        let tags: HashSet<u64> = (0..run).map(|i| hash(base + i) >> 57).collect();
+        assert!(
+            tags.len() > 32,
+            "{} tags among {run} neighbours",
+            tags.len()
+        );
+        // One block across 80 layers, layers 2^20 groups apart.
+        let starts: HashSet<u64> = (0..80u64).map(|l| hash(7 + (l << 20)) & mask).collect();
+        assert!(starts.len() >= 78, "{} buckets for 80 groups", starts.len());
     }
 }

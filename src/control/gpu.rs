@@ -243,29 +243,18 @@ impl Session {
                 self.release_after(&gpu, ticket, n, pins, move || copy.finish());
                 return Ok(reply);
             }
+            // Described before it is enqueued: no flag to wait on.
             let lane = self.lane(&gpu);
-            let mut lane = lane.lock();
-            let mut copy = gpu
-                .restore(
+            let copy = gpu
+                .restore_now(
                     n * per,
                     unit,
-                    stride,
-                    0,
                     shape.kernel_rows(true),
-                    Some(&mut lane),
+                    &mut lane.lock(),
+                    pieces(&work, &work.items, gb, shape.piece(), |i| addrs[i], true),
                 )
                 .map_err(fail)?;
             let (ticket, reply) = self.gpu_ticket(copy.event());
-            copy.describe(pieces(
-                &work,
-                &work.items,
-                gb,
-                shape.piece(),
-                |i| addrs[i],
-                true,
-            ));
-            copy.start();
-            drop(lane);
             tracing::debug!(
                 ticket,
                 n,

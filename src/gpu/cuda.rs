@@ -486,63 +486,52 @@ impl Cuda {
             .map_err(Clone::clone)
     }
 
-    /// Enqueues on `stream`: wait until the u32 at device address `ready`
-    /// is at least 1; copy the `n` descriptors ({src, dst} device
-    /// addresses, src 0 = skip) at host address `descs` into `staged`
-    /// (device memory: each block then reads its descriptor from HBM, not
-    /// across PCIe); gather `bytes` per descriptor; record `event`. The
-    /// host fills the descriptors, then sets `ready`.
+    /// Enqueues on `stream`: (with `ready`) wait until the u32 at that
+    /// device address is at least 1; gather `bytes` per descriptor of the
+    /// `n` at device address `descs` ({src, dst} device addresses, src 0 =
+    /// skip: a mapped pinned table, which each block reads its few from
+    /// once); record `event`. The host fills the descriptors, then sets
+    /// `ready` (or fills them before this call, with no `ready`).
     ///
     /// With `rows`, one side of every descriptor is rows (see `Rows`).
     ///
     /// # Safety
-    /// `ready` and `descs` (pinned, `ready` device-mapped) and `staged` (at
-    /// least 16 × n bytes) stay alive until `event` completes; every
-    /// descriptor written before `ready` is set names `bytes` readable and
-    /// writable device-visible bytes (laid out as `rows` on its strided
-    /// side), 16-byte aligned.
+    /// `ready` and `descs` (pinned and device-mapped, 16 × n bytes at
+    /// `descs`) stay alive until `event` completes; every descriptor
+    /// written before `ready` is set (or this call, without one) names
+    /// `bytes` readable and writable device-visible bytes (laid out as
+    /// `rows` on its strided side), 16-byte aligned.
     #[expect(clippy::too_many_arguments, reason = "one enqueue, all its parts")]
     pub unsafe fn enqueue_gather(
         &self,
         stream: &Stream,
-        ready: u64,
-        descs: *const u8,
-        staged: &DeviceBuf,
+        ready: Option<u64>,
+        descs: u64,
         n: u32,
         bytes: u64,
         rows: Option<Rows>,
         event: &IpcEvent,
     ) -> Result<(), String> {
-        if staged.len() < 16 * n as usize {
-            return Err(format!(
-                "descriptor buffer of {} bytes for {n} descriptors",
-                staged.len()
-            ));
-        }
         self.bind()?;
         let f = self.gather(rows.is_some())?;
-        // SAFETY: ready is mapped pinned memory (caller's contract).
-        let r = unsafe {
-            sys::cuStreamWaitValue32_v2(
-                stream.0,
-                ready,
-                1,
-                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-            )
-        };
-        check(r, "cuStreamWaitValue32")?;
-        if n > 0 {
-            // SAFETY: descs is pinned host memory of 16 × n bytes and staged
-            // at least as long (checked above); both outlive the event.
+        if let Some(ready) = ready {
+            // SAFETY: ready is mapped pinned memory (caller's contract).
             let r = unsafe {
-                sys::cuMemcpyHtoDAsync_v2(staged.ptr, descs.cast(), 16 * n as usize, stream.0)
+                sys::cuStreamWaitValue32_v2(
+                    stream.0,
+                    ready,
+                    1,
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
             };
-            check(r, "cuMemcpyHtoDAsync(descriptors)")?;
+            check(r, "cuStreamWaitValue32")?;
+        }
+        if n > 0 {
             let words = n as u64 * (bytes / 16);
             let blocks = words.div_ceil(GATHER_THREADS as u64 * GATHER_UNROLL);
             let blocks = u32::try_from(blocks)
                 .map_err(|_| format!("{n} groups of {bytes} bytes: too many for one launch"))?;
-            let (mut a, mut b, mut c) = (staged.ptr, n, bytes);
+            let (mut a, mut b, mut c) = (descs, n, bytes);
             let r = rows.unwrap_or(Rows {
                 row: bytes,
                 pitch: bytes,

@@ -6,15 +6,17 @@
 //! side, a CUDA region's bytes on the other), `bytes` each. It owns what
 //! the copies need and pools it, since creating streams, events and pinned
 //! memory per ticket would cost more than the copies: descriptor tables
-//! (pinned, with a ready flag), device memory for the staged descriptors,
-//! pinned staging, streams and IPC events.
+//! (pinned and device-mapped, with a ready flag: the kernel reads its
+//! descriptors from there), pinned staging, streams and IPC events.
 //!
 //! A restore is enqueued before its sources are known (`Engine::restore`):
 //! the stream waits on the table's ready flag, so the client can be given
 //! the ticket's IPC event at once; the caller then resolves each copy,
 //! fills the table and `finish`es, which sets the flag and waits for the
 //! copy. Every path sets the flag (a dropped `Restore` too), so no stream
-//! waits forever. A store (`Engine::store`) fills and launches one chunk at
+//! waits forever. A restore whose sources are known at once
+//! (`Engine::restore_now`) is described first and enqueued with no flag.
+//! A store (`Engine::store`) fills and launches one chunk at
 //! a time and waits for each. Nothing here knows of the cascade: pins and
 //! slot claims are the caller's, held until `finish`/`launch` return.
 //!
@@ -22,7 +24,7 @@
 //! several devices would go behind the same calls.
 
 use super::HostBuf;
-use super::cuda::{Cuda, DeviceBuf, IpcEvent, Rows, Stream};
+use super::cuda::{Cuda, IpcEvent, Rows, Stream};
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
@@ -135,7 +137,6 @@ struct Pool {
     /// The device (its context: `cuda::cuda_on`).
     dev: i32,
     events: Arc<Mutex<Vec<IpcEvent>>>,
-    device: Mutex<Vec<DeviceBuf>>,
     streams: Mutex<Vec<Stream>>,
     tables: Mutex<Vec<HostBuf>>,
     staging: Mutex<Vec<HostBuf>>,
@@ -146,28 +147,6 @@ struct Pool {
 impl Pool {
     fn driver(&self) -> Result<&'static Cuda, String> {
         super::cuda::cuda_on(self.dev)
-    }
-
-    /// Device memory for a ticket's descriptors.
-    fn take_device(&self, len: usize) -> Result<DeviceBuf, String> {
-        let mut t = self.device.lock();
-        if let Some(i) = t.iter().position(|b| b.len() >= len) {
-            return Ok(t.swap_remove(i));
-        }
-        drop(t);
-        self.driver()?
-            .alloc_device(len.next_power_of_two().max(4096))
-    }
-
-    fn give_device(&self, b: DeviceBuf) {
-        let mut t = self.device.lock();
-        if t.len() < POOL_KEEP {
-            t.push(b);
-        } else {
-            drop(t);
-            // cuMemFree may wait for the device: not on an executor thread.
-            self.free_later(Box::new(b));
-        }
     }
 
     fn take_event(&self) -> Result<PooledEvent, String> {
@@ -243,24 +222,17 @@ impl Pool {
         }
     }
 
-    fn give(
-        &self,
-        table: HostBuf,
-        stream: Option<Stream>,
-        staging: Option<HostBuf>,
-        staged: DeviceBuf,
-    ) {
+    fn give(&self, table: HostBuf, stream: Option<Stream>, staging: Option<HostBuf>) {
         self.give_host(&self.tables, table);
         self.streams.lock().extend(stream);
         if let Some(staging) = staging {
             self.give_host(&self.staging, staging);
         }
-        self.give_device(staged);
     }
 }
 
 /// The transfer engine of one device: its streams, events, kernels,
-/// descriptor memory and completion thread.
+/// descriptor tables and completion thread.
 #[derive(Default)]
 pub struct Engine {
     pool: Arc<Pool>,
@@ -328,7 +300,6 @@ pub struct Restore {
     /// `staging_slots` slots; None for a restore taken with none.
     staging: Option<HostBuf>,
     staging_slots: usize,
-    staged: Option<DeviceBuf>,
     own_stream: Option<Stream>,
     event: Arc<PooledEvent>,
     pool: Arc<Pool>,
@@ -349,7 +320,6 @@ pub struct Store {
     table_dev: u64,
     staging: Option<HostBuf>,
     staging_dev: u64,
-    staged: Option<DeviceBuf>,
     stream: Option<Stream>,
     event: PooledEvent,
     pool: Arc<Pool>,
@@ -410,9 +380,49 @@ impl Engine {
         rows: Option<Rows>,
         lane: Option<&mut LaneGuard<'_>>,
     ) -> Result<Restore, String> {
+        self.enqueue_restore(n, bytes, stride, staging_slots, rows, lane, None)
+    }
+
+    /// `restore` of copies known now (pinned T1 slots): `descs` (n of
+    /// them) are written first and the copy enqueued with no flag to wait
+    /// on, so nothing but the kernel stands between it and the copy
+    /// before. `describe` and `start` are not needed (nor harmful).
+    pub fn restore_now(
+        &self,
+        n: usize,
+        bytes: u64,
+        rows: Option<Rows>,
+        lane: &mut LaneGuard<'_>,
+        descs: impl Iterator<Item = Descriptor>,
+    ) -> Result<Restore, String> {
+        self.enqueue_restore(
+            n,
+            bytes,
+            bytes as usize,
+            0,
+            rows,
+            Some(lane),
+            Some(&mut descs.into_iter()),
+        )
+    }
+
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "restore's and restore_now's parts"
+    )]
+    fn enqueue_restore(
+        &self,
+        n: usize,
+        bytes: u64,
+        stride: usize,
+        staging_slots: usize,
+        rows: Option<Rows>,
+        lane: Option<&mut LaneGuard<'_>>,
+        descs: Option<&mut dyn Iterator<Item = Descriptor>>,
+    ) -> Result<Restore, String> {
         let c = self.pool.driver()?;
         let pool = &self.pool;
-        let table = pool.take_table(n)?;
+        let mut table = pool.take_table(n)?;
         let table_dev = table
             .device_ptr()
             .ok_or("the descriptor table is not device-mapped")?;
@@ -421,25 +431,34 @@ impl Engine {
             k => Some(pool.take_staging(k * stride)?),
         };
         let event = Arc::new(pool.take_event()?);
-        let staged = pool.take_device(DESCRIPTOR_BYTES * n)?;
         let own_stream = match lane {
             Some(_) => None,
             None => Some(pool.take_stream()?),
         };
-        let r = Restore {
-            ready: ReadyFlag::armed(table.as_ptr().cast::<u32>()),
+        let now = descs.is_some();
+        if let Some(descs) = descs {
+            write_descriptors(&mut table, n, descs);
+        }
+        let flag = table.as_ptr().cast::<u32>();
+        let mut r = Restore {
+            ready: match now {
+                true => ReadyFlag::unarmed(flag),
+                false => ReadyFlag::armed(flag),
+            },
             c,
             n,
             stride,
             table: Some(table),
             staging,
             staging_slots,
-            staged: Some(staged),
             own_stream,
             event,
             pool: pool.clone(),
             finished: false,
         };
+        if now {
+            r.ready.set();
+        }
         // From here a failure drops `r`, which sets the flag, so whatever
         // was enqueued does not wait forever.
         let stream = match (&r.own_stream, lane) {
@@ -450,17 +469,15 @@ impl Engine {
             },
             (None, None) => unreachable!("a stream was taken above"),
         };
-        let table = r.table.as_ref().expect("set above");
         // SAFETY: the table holds FLAG_BYTES + DESCRIPTOR_BYTES × n bytes
-        // (take_table); it and the staged descriptors live in `r` until the
-        // event completes (finish, or drop); every descriptor is written
-        // before the flag is set.
+        // (take_table), device-mapped; it lives in `r` until the event
+        // completes (finish, or drop); every descriptor is written before
+        // the flag is set, or (now) before this call.
         let e = unsafe {
             c.enqueue_gather(
                 stream,
-                table_dev,
-                table.as_ptr().add(FLAG_BYTES),
-                r.staged.as_ref().expect("set above"),
+                (!now).then_some(table_dev),
+                table_dev + FLAG_BYTES as u64,
                 n as u32,
                 bytes,
                 rows,
@@ -494,7 +511,6 @@ impl Engine {
             .ok_or("the descriptor table is not device-mapped")?;
         let staging = pool.take_staging(chunk * stride)?;
         let staging_dev = staging.device_ptr().ok_or("staging is not device-mapped")?;
-        let staged = pool.take_device(DESCRIPTOR_BYTES * chunk * per)?;
         let event = pool.take_event()?;
         let stream = pool.take_stream()?;
         // Nothing to wait for: the descriptors are written before each launch.
@@ -511,11 +527,24 @@ impl Engine {
             table_dev,
             staging: Some(staging),
             staging_dev,
-            staged: Some(staged),
             stream: Some(stream),
             event,
             pool: pool.clone(),
         })
+    }
+}
+
+/// Writes `n` descriptors into `table` after its flag: those of `descs`
+/// in order, any left over skipped (src 0).
+fn write_descriptors(table: &mut HostBuf, n: usize, descs: &mut dyn Iterator<Item = Descriptor>) {
+    let out = &mut table.as_mut_slice()[FLAG_BYTES..FLAG_BYTES + DESCRIPTOR_BYTES * n];
+    let mut slots = out.chunks_exact_mut(DESCRIPTOR_BYTES);
+    for (d, Descriptor { src, dst }) in slots.by_ref().zip(descs) {
+        d[..8].copy_from_slice(&src.to_le_bytes());
+        d[8..].copy_from_slice(&dst.to_le_bytes());
+    }
+    for d in slots {
+        d.fill(0);
     }
 }
 
@@ -643,17 +672,9 @@ impl Restore {
 
     /// Writes the `n` descriptors, in order (a shorter `descs` leaves the
     /// rest skipped).
-    pub fn describe(&mut self, descs: impl Iterator<Item = Descriptor>) {
+    pub fn describe(&mut self, mut descs: impl Iterator<Item = Descriptor>) {
         let table = self.table.as_mut().expect("until finished");
-        let out = &mut table.as_mut_slice()[FLAG_BYTES..FLAG_BYTES + DESCRIPTOR_BYTES * self.n];
-        let mut slots = out.chunks_exact_mut(DESCRIPTOR_BYTES);
-        for (d, Descriptor { src, dst }) in slots.by_ref().zip(descs) {
-            d[..8].copy_from_slice(&src.to_le_bytes());
-            d[8..].copy_from_slice(&dst.to_le_bytes());
-        }
-        for d in slots {
-            d.fill(0);
-        }
+        write_descriptors(table, self.n, &mut descs);
     }
 
     /// Lets the copy run once its descriptors are written (`describe`);
@@ -673,9 +694,9 @@ impl Restore {
     }
 
     fn release(&mut self) {
-        if let (Some(t), Some(d)) = (self.table.take(), self.staged.take()) {
+        if let Some(t) = self.table.take() {
             let s = self.staging.take();
-            self.pool.give(t, self.own_stream.take(), s, d);
+            self.pool.give(t, self.own_stream.take(), s);
         }
     }
 }
@@ -723,22 +744,15 @@ impl Store {
             "a launch of at most chunk groups"
         );
         let table = self.table.as_mut().expect("until dropped");
-        for (d, x) in table.as_mut_slice()[FLAG_BYTES..]
-            .chunks_exact_mut(DESCRIPTOR_BYTES)
-            .zip(descs)
-        {
-            d[..8].copy_from_slice(&x.src.to_le_bytes());
-            d[8..].copy_from_slice(&x.dst.to_le_bytes());
-        }
-        // SAFETY: the table, staging and staged descriptors live in `self`
-        // until it drops, after this wait; the descriptors are the
-        // caller's contract; the flag was set when the store was made.
+        write_descriptors(table, descs.len(), &mut descs.iter().copied());
+        // SAFETY: the table and staging live in `self` until it drops,
+        // after this wait; the descriptors, written above, are the
+        // caller's contract.
         unsafe {
             self.c.enqueue_gather(
                 self.stream.as_ref().expect("until dropped"),
-                self.table_dev,
-                table.as_ptr().add(FLAG_BYTES),
-                self.staged.as_ref().expect("until dropped"),
+                None,
+                self.table_dev + FLAG_BYTES as u64,
                 descs.len() as u32,
                 self.unit,
                 self.rows,
@@ -751,10 +765,8 @@ impl Store {
 
 impl Drop for Store {
     fn drop(&mut self) {
-        if let (Some(t), Some(s), Some(d)) =
-            (self.table.take(), self.staging.take(), self.staged.take())
-        {
-            self.pool.give(t, self.stream.take(), Some(s), d);
+        if let (Some(t), Some(s)) = (self.table.take(), self.staging.take()) {
+            self.pool.give(t, self.stream.take(), Some(s));
         }
     }
 }
