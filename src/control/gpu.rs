@@ -267,7 +267,15 @@ impl Session {
         }
         let resident_us = checked.elapsed().as_micros() as u64;
         let mut copy = gpu
-            .restore(n * per, unit, stride, n, shape.kernel_rows(true), None)
+            .restore(
+                n * per,
+                unit,
+                stride,
+                n,
+                shape.kernel_rows(true),
+                None,
+                None,
+            )
             .map_err(fail)?;
         let (ticket, reply) = self.gpu_ticket(copy.event());
         let s = self.clone();

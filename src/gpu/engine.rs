@@ -370,47 +370,10 @@ impl Engine {
     /// device-visible, e.g. pinned T1 slots). Everything the copy needs is taken here,
     /// before the stream is told to wait: pinning memory makes CUDA wait
     /// for the device to go idle, and the device then waits on this
-    /// restore's flag, which only `finish` (or drop) sets.
+    /// restore's flag, which only `finish` (or drop) sets. With `descs`
+    /// (all the copies, known now), see `restore_now`.
+    #[expect(clippy::too_many_arguments, reason = "one restore, all its parts")]
     pub fn restore(
-        &self,
-        n: usize,
-        bytes: u64,
-        stride: usize,
-        staging_slots: usize,
-        rows: Option<Rows>,
-        lane: Option<&mut LaneGuard<'_>>,
-    ) -> Result<Restore, String> {
-        self.enqueue_restore(n, bytes, stride, staging_slots, rows, lane, None)
-    }
-
-    /// `restore` of copies known now (pinned T1 slots): `descs` (n of
-    /// them) are written first and the copy enqueued with no flag to wait
-    /// on, so nothing but the kernel stands between it and the copy
-    /// before. `describe` and `start` are not needed (nor harmful).
-    pub fn restore_now(
-        &self,
-        n: usize,
-        bytes: u64,
-        rows: Option<Rows>,
-        lane: &mut LaneGuard<'_>,
-        descs: impl Iterator<Item = Descriptor>,
-    ) -> Result<Restore, String> {
-        self.enqueue_restore(
-            n,
-            bytes,
-            bytes as usize,
-            0,
-            rows,
-            Some(lane),
-            Some(&mut descs.into_iter()),
-        )
-    }
-
-    #[expect(
-        clippy::too_many_arguments,
-        reason = "restore's and restore_now's parts"
-    )]
-    fn enqueue_restore(
         &self,
         n: usize,
         bytes: u64,
@@ -485,6 +448,23 @@ impl Engine {
             )
         };
         e.map(|()| r)
+    }
+
+    /// `restore` of copies known now (pinned T1 slots): `descs` (n of
+    /// them) are written first and the copy enqueued with no flag to wait
+    /// on, so nothing but the kernel stands between it and the copy
+    /// before. Not to be `describe`d again (the kernel may be reading the
+    /// table); `start` is not needed.
+    pub fn restore_now(
+        &self,
+        n: usize,
+        bytes: u64,
+        rows: Option<Rows>,
+        lane: &mut LaneGuard<'_>,
+        mut descs: impl Iterator<Item = Descriptor>,
+    ) -> Result<Restore, String> {
+        let stride = bytes as usize;
+        self.restore(n, bytes, stride, 0, rows, Some(lane), Some(&mut descs))
     }
 
     /// Takes what a store of `n` groups of `bytes` each needs, each moved
