@@ -403,7 +403,7 @@ impl Engine {
             write_descriptors(&mut table, n, descs);
         }
         let flag = table.as_ptr().cast::<u32>();
-        let mut r = Restore {
+        let r = Restore {
             ready: match now {
                 true => ReadyFlag::unarmed(flag),
                 false => ReadyFlag::armed(flag),
@@ -419,9 +419,6 @@ impl Engine {
             pool: pool.clone(),
             finished: false,
         };
-        if now {
-            r.ready.set();
-        }
         // From here a failure drops `r`, which sets the flag, so whatever
         // was enqueued does not wait forever.
         let stream = match (&r.own_stream, lane) {
