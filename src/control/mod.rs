@@ -220,7 +220,7 @@ impl Control {
             ),
             (
                 "kvfs_gpu_device_bytes",
-                "Device memory held (descriptor copies).",
+                "Device memory the daemon allocated (0 today: the gather kernel reads its descriptors from the pinned tables).",
                 &DEVICE_BYTES,
             ),
             (
