@@ -58,12 +58,20 @@ impl SlotWrites<'_> {
     /// (dirty) contents.
     pub fn commit(mut self) {
         let n = self.held.len() as u64;
+        // The shared dirty count once, not once a slot: every thread's
+        // commits and write-backs update it.
+        let mut newly_dirty = 0;
         for (_, pin, guard) in self.held.drain(..) {
-            self.c.set_dirty(pin.slot);
-            self.c.claimed[pin.slot.0 as usize].store(false, Ordering::Release);
+            let s = pin.slot.0 as usize;
+            newly_dirty += !self.c.dirty[s].swap(true, Ordering::AcqRel) as u64;
+            self.c.claimed[s].store(false, Ordering::Release);
             drop(guard);
             drop(pin);
         }
+        self.c
+            .counters
+            .dirty_slots
+            .fetch_add(newly_dirty, Ordering::Relaxed);
         self.c
             .counters
             .t1_write_bytes
@@ -241,11 +249,25 @@ impl Cascade {
             if st.free.len() < groups.len() {
                 self.adopt_chunks(&mut st);
             }
-            // Every lookup first, with no atomic between them (a locked
-            // instruction is a full barrier on x86): so the CPU overlaps
-            // their cache misses. Then the claims, an atomic or two each.
+            // In three passes, so that no locked instruction (a full barrier
+            // on x86) stands between cache misses: every lookup first; then
+            // each slot's lock and pin, on slot words warmed beforehand;
+            // then the map and policy updates, plain stores whose misses
+            // overlap. Interleaved, each group's atomics waited for the
+            // previous group's missing stores: most of a claim's time.
             let found: Vec<Option<SlotId>> =
                 groups.iter().map(|g| st.map.get(g).copied()).collect();
+            // The slots the claims below will most likely take: each
+            // group's own, or the next free one.
+            let mut next_free = st.free.iter().rev();
+            self.warm_slots(found.iter().filter_map(|at| match at {
+                Some(s) => Some(*s),
+                None => next_free.next().copied(),
+            }));
+            // Free slots are taken from the end of the free list, in order,
+            // until one is pinned or busy (then no more new groups get one).
+            let mut taken = 0;
+            let mut free_ok = true;
             for (i, (&g, at)) in groups.iter().zip(found).enumerate() {
                 debug_assert!(g.0 < self.layout.group_count());
                 let (s, guard) = match at {
@@ -260,28 +282,44 @@ impl Cascade {
                         let Some(guard) = self.slot_locks[i].try_write() else {
                             continue;
                         };
-                        st.policy.touch(s);
                         (s, guard)
                     }
                     None => {
-                        let Some(&s) = st.free.last() else { continue };
-                        if self.pins[s.0 as usize].load(Ordering::Acquire) != 0
+                        let Some(&s) = st.free.len().checked_sub(taken + 1).map(|k| &st.free[k])
+                        else {
+                            continue;
+                        };
+                        if !free_ok
+                            || self.pins[s.0 as usize].load(Ordering::Acquire) != 0
                             || (device && self.slot_device_ptr(s).is_none())
                         {
+                            free_ok = false;
                             continue;
                         }
                         let Some(guard) = self.slot_locks[s.0 as usize].try_write() else {
+                            free_ok = false;
                             continue;
                         };
-                        st.free.pop();
-                        self.install(&mut st, s, g);
+                        taken += 1;
                         fresh.push(s);
                         (s, guard)
                     }
                 };
                 w.of[i] = Some(w.held.len() as u32);
-                self.claimed[s.0 as usize].store(true, Ordering::Release);
                 w.held.push((g, self.pin_now(s), guard));
+            }
+            let left = st.free.len() - taken;
+            st.free.truncate(left);
+            let mut fresh_at = 0;
+            for (g, pin, _) in &w.held {
+                let s = pin.slot;
+                if fresh.get(fresh_at) == Some(&s) {
+                    fresh_at += 1;
+                    self.install(&mut st, s, *g);
+                } else {
+                    st.policy.touch(s);
+                }
+                self.claimed[s.0 as usize].store(true, Ordering::Release);
             }
         }
         let gb = self.layout.group_bytes() as usize;

@@ -244,6 +244,25 @@ impl Cascade {
         self.tags[s.0 as usize].load(Ordering::Acquire) == g.0
     }
 
+    /// Reads the per-slot words of `slots` (pin count, lock, flags, tag)
+    /// with plain loads and nothing between them that waits, so the CPU
+    /// overlaps their cache misses: a caller about to take atomics on many
+    /// scattered slots (each locked instruction a full barrier on x86, which
+    /// would otherwise take the misses one at a time) calls this first.
+    pub(super) fn warm_slots(&self, slots: impl Iterator<Item = SlotId>) {
+        let mut x = 0u64;
+        for s in slots {
+            let i = s.0 as usize;
+            x = x
+                .wrapping_add(self.pins[i].load(Ordering::Relaxed) as u64)
+                .wrapping_add(self.slot_locks[i].is_locked() as u64)
+                .wrapping_add(self.claimed[i].load(Ordering::Relaxed) as u64)
+                .wrapping_add(self.dirty[i].load(Ordering::Relaxed) as u64)
+                .wrapping_add(self.tags[i].load(Ordering::Relaxed));
+        }
+        std::hint::black_box(x);
+    }
+
     /// Pins `s`; the caller holds the state lock (pins are only added under it).
     pub(super) fn pin_now(&self, s: SlotId) -> Pin<'_> {
         self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
@@ -361,6 +380,7 @@ impl Cascade {
             if all && slots.iter().any(Option::is_none) {
                 return None;
             }
+            self.warm_slots(slots.iter().flatten().copied());
             for (i, s) in slots.into_iter().enumerate() {
                 let Some(s) = s else { continue };
                 self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
