@@ -214,6 +214,8 @@ impl Session {
             )
         };
         let checked = Instant::now();
+        // Admission's checks of every entry (admit_io), before this call.
+        let checks_us = (checked - admitted).as_micros() as u64;
         // A batch all in T1 (and of at most PIN_ON_ADMISSION_MAX groups)
         // is pinned here, looked up once, needs no staging, and goes on the
         // fd's ordered lane. Only such batches use
@@ -237,6 +239,7 @@ impl Session {
                     n,
                     runs = n_runs,
                     admit_us = admitted.elapsed().as_micros() as u64,
+                    checks_us,
                     resident_us,
                     "GPU restore of pinned T1 groups on the copy engines"
                 );
@@ -259,6 +262,7 @@ impl Session {
                 ticket,
                 n,
                 admit_us = admitted.elapsed().as_micros() as u64,
+                checks_us,
                 resident_us,
                 "GPU restore of pinned T1 groups by the kernel"
             );
@@ -284,6 +288,7 @@ impl Session {
             ticket,
             n,
             admit_us = (started - admitted).as_micros() as u64,
+            checks_us,
             resident_us,
             "GPU restore enqueued"
         );
