@@ -380,20 +380,13 @@ impl Cascade {
             if all && slots.iter().any(Option::is_none) {
                 return None;
             }
-            // The pins, on warmed slot words; then the policy's marks,
-            // plain stores that would each hold up the next pin if
-            // interleaved with them (see `claim_slots`).
-            self.warm_slots(slots.iter().flatten().copied());
             for (i, s) in slots.into_iter().enumerate() {
                 let Some(s) = s else { continue };
                 self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
-                pins.pinned.push((s.0 as u64) << 32 | i as u64);
-            }
-            for &p in &pins.pinned {
-                let s = slot_and_index(p).0;
-                if st.slot_state[s as usize] == SlotState::Resident {
-                    st.policy.touch(SlotId(s));
+                if st.slot_state[s.0 as usize] == SlotState::Resident {
+                    st.policy.touch(s);
                 }
+                pins.pinned.push((s.0 as u64) << 32 | i as u64);
             }
         }
         sort_by_slot(&mut pins.pinned, u32::BITS - self.n_slots.leading_zeros());
