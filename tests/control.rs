@@ -508,6 +508,10 @@ fn restore_bench_prints_figures_and_baselines() {
         "{t}"
     );
     assert!(t.contains("memcpy GB/s"), "{t}");
+    assert!(
+        t.contains("one 1024-group ticket at a time") && t.contains("of memcpy), the fd's ring"),
+        "{t}"
+    );
 }
 
 #[test]

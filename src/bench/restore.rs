@@ -295,22 +295,34 @@ fn ticket_rates(
         })
         .collect();
     let (mut ioctl_us, mut ring_us) = (Vec::new(), Vec::new());
+    // Each ticket's whole round trip too, one at a time (the client waits
+    // for each before it submits the next, as an engine restoring layer
+    // by layer may).
+    let (mut ioctl_trip, mut ring_trip) = (Vec::new(), Vec::new());
     let big = ring.put_entries(hot.len() * 32 - 1024 * 32, &batch);
     for _ in 0..50 {
         let t0 = Instant::now();
         let tk = client.restore(&batch)?;
         ioctl_us.push(t0.elapsed().as_secs_f64() * 1e6);
         client.wait(tk, None)?.ok()?;
+        ioctl_trip.push(t0.elapsed().as_secs_f64() * 1e6);
         let t0 = Instant::now();
         if !ring.submit(0, crate::control::wire::Command::Restore, 1024, big) {
             bail!("the ring is full with nothing in flight");
         }
         ring_us.push(t0.elapsed().as_secs_f64() * 1e6);
         let c = ring.reap(1, 1, Some(Duration::from_secs(10)));
+        ring_trip.push(t0.elapsed().as_secs_f64() * 1e6);
         if c.first().is_none_or(|c| c.status != 0) {
             bail!("a 1024-entry ring restore failed: {c:?}");
         }
     }
+    let ticket_bytes = 1024 * gb;
+    let copy_gbps = memcpy_gbps(
+        &mut map[..ticket_bytes],
+        &src[..ticket_bytes],
+        b.seconds / 2.0,
+    );
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -321,6 +333,18 @@ fn ticket_rates(
         gb >> 10,
         median(ioctl_us),
         median(ring_us)
+    );
+    let (io, ri) = (median(ioctl_trip), median(ring_trip));
+    let gbps = |us: f64| ticket_bytes as f64 / us / 1e3;
+    println!(
+        "  one 1024-group ticket at a time ({} MiB, resident in T1): RESTORE + WAIT ioctls {io:.0} us \
+         ({:.2} GB/s, {:.2} of memcpy), the fd's ring {ri:.0} us ({:.2} GB/s, {:.2}); memcpy of \
+         the same bytes {copy_gbps:.2} GB/s",
+        ticket_bytes >> 20,
+        gbps(io),
+        gbps(io) / copy_gbps,
+        gbps(ri),
+        gbps(ri) / copy_gbps,
     );
     let mb = |r: f64| r * gb as f64 / 1e9;
     println!(

@@ -61,6 +61,22 @@ pub const CQ_WAITING: usize = 320;
 
 /// How long the ring thread looks for new submissions before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
+/// How long it looks while tickets it took are still running, counted
+/// from the last completion: a client that waits for each ticket before
+/// it submits the next (an engine restoring layer by layer) submits right
+/// after a completion, and a sleeping ring thread costs it a wake-up
+/// (tens of microseconds) every ticket. Bounded, so a long ticket (misses
+/// read from a slow backing) does not keep a core busy; and only where
+/// cores are to spare (`spare_cores`): on two, the spinning thread takes
+/// time from the very copies it waits for.
+const FLIGHT_SPIN: Duration = Duration::from_millis(1);
+
+/// Whether this machine has cores to spare for looking instead of
+/// sleeping (4 or more).
+pub fn spare_cores() -> bool {
+    static SPARE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SPARE.get_or_init(|| std::thread::available_parallelism().is_ok_and(|n| n.get() >= 4))
+}
 /// The longest a sleep lasts (a missed wake-up costs at most this).
 const NAP: Duration = Duration::from_millis(10);
 
@@ -230,6 +246,7 @@ impl Ring {
     /// when the ring ends.
     fn next(&self, head: u32) -> Option<[u8; SQE_BYTES as usize]> {
         let mut idle_since: Option<Instant> = None;
+        let mut posted = self.word(CQ_TAIL).load(Ordering::Acquire);
         loop {
             if self.stop.load(Ordering::Acquire) || self.region.damaged() {
                 return None;
@@ -245,8 +262,17 @@ impl Ring {
                 unsafe { std::ptr::copy_nonoverlapping(p, b.as_mut_ptr(), b.len()) };
                 return Some(b);
             }
+            // A completion since: the client may submit again at once.
+            let cq_tail = self.word(CQ_TAIL).load(Ordering::Acquire);
+            if cq_tail != posted {
+                posted = cq_tail;
+                idle_since = None;
+            }
+            // Taken and not yet completed (CQ tail counts every posted
+            // completion, one a taken submission).
+            let running = head != cq_tail && spare_cores();
             let since = *idle_since.get_or_insert_with(Instant::now);
-            if since.elapsed() < SPIN {
+            if since.elapsed() < if running { FLIGHT_SPIN } else { SPIN } {
                 std::hint::spin_loop();
                 std::thread::yield_now();
                 continue;

@@ -507,10 +507,17 @@ class Ring:
         _U32.pack_into(self.mm, _CQ_HEAD, self.cq_head)
         return out
 
-    def reap(self, min_n=1, timeout=None):
+    def reap(self, min_n=1, timeout=None, spin=None):
         """Waits until at least `min_n` completions are ready (or `timeout`
-        seconds pass), then reaps all that are ready."""
+        seconds pass), then reaps all that are ready. It looks for them
+        without sleeping for up to `spin` seconds first (by default 1 ms
+        on a machine of 4 cores or more, else none: a 16 MiB ticket takes
+        about half a millisecond on a GPU, and a futex wake-up tens of
+        microseconds), then sleeps until the daemon wakes it."""
         import time
+
+        if spin is None:
+            spin = 1e-3 if (os.cpu_count() or 1) >= 4 else 0.0
 
         deadline = None if timeout is None else time.monotonic() + timeout
         out = self.peek()
@@ -518,6 +525,11 @@ class Ring:
             if deadline is not None and time.monotonic() >= deadline:
                 break
             tail = self._word(_CQ_TAIL)
+            if tail == self.cq_head and spin > 0:
+                until = time.perf_counter() + spin
+                while tail == self.cq_head and time.perf_counter() < until:
+                    tail = self._word(_CQ_TAIL)
+                spin = 0  # once a wait; after it, sleep
             if tail == self.cq_head:
                 _U32.pack_into(self.mm, _CQ_WAITING, 1)
                 if self._word(_CQ_TAIL) == self.cq_head:
