@@ -58,20 +58,14 @@ impl SlotWrites<'_> {
     /// (dirty) contents.
     pub fn commit(mut self) {
         let n = self.held.len() as u64;
-        // The shared dirty count once, not once a slot: every thread's
-        // commits and write-backs update it.
-        let mut newly_dirty = 0;
+        // All marked while every slot is still held.
+        self.c
+            .set_dirty_all(self.held.iter().map(|(_, pin, _)| pin.slot));
         for (_, pin, guard) in self.held.drain(..) {
-            let s = pin.slot.0 as usize;
-            newly_dirty += !self.c.dirty[s].swap(true, Ordering::AcqRel) as u64;
-            self.c.claimed[s].store(false, Ordering::Release);
+            self.c.claimed[pin.slot.0 as usize].store(false, Ordering::Release);
             drop(guard);
             drop(pin);
         }
-        self.c
-            .counters
-            .dirty_slots
-            .fetch_add(newly_dirty, Ordering::Relaxed);
         self.c
             .counters
             .t1_write_bytes
@@ -285,8 +279,7 @@ impl Cascade {
                         (s, guard)
                     }
                     None => {
-                        let Some(&s) = st.free.len().checked_sub(taken + 1).map(|k| &st.free[k])
-                        else {
+                        let Some(&s) = st.free.iter().rev().nth(taken) else {
                             continue;
                         };
                         if !free_ok

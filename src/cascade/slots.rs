@@ -192,8 +192,19 @@ impl Cascade {
     }
 
     pub(super) fn set_dirty(&self, s: SlotId) {
-        if !self.dirty[s.0 as usize].swap(true, Ordering::AcqRel) {
-            self.counters.dirty_slots.fetch_add(1, Ordering::Relaxed);
+        self.set_dirty_all(std::iter::once(s));
+    }
+
+    /// Marks every slot of `slots` dirty, adding to the shared dirty count
+    /// once (every thread's writes and write-backs update it).
+    pub(super) fn set_dirty_all(&self, slots: impl Iterator<Item = SlotId>) {
+        let newly = slots
+            .filter(|s| !self.dirty[s.0 as usize].swap(true, Ordering::AcqRel))
+            .count();
+        if newly > 0 {
+            self.counters
+                .dirty_slots
+                .fetch_add(newly as u64, Ordering::Relaxed);
         }
     }
 
