@@ -71,14 +71,15 @@ const SPIN: Duration = Duration::from_micros(50);
 /// time from the very copies it waits for.
 const FLIGHT_SPIN: Duration = Duration::from_millis(1);
 
+/// The longest a sleep lasts (a missed wake-up costs at most this).
+const NAP: Duration = Duration::from_millis(10);
+
 /// Whether this machine has cores to spare for looking instead of
 /// sleeping (4 or more).
 pub fn spare_cores() -> bool {
     static SPARE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *SPARE.get_or_init(|| std::thread::available_parallelism().is_ok_and(|n| n.get() >= 4))
 }
-/// The longest a sleep lasts (a missed wake-up costs at most this).
-const NAP: Duration = Duration::from_millis(10);
 
 /// Bytes of a ring of `entries` entries.
 pub fn ring_bytes(entries: u32) -> u64 {
