@@ -364,45 +364,99 @@ fn slots_claimed_for_in_place_writes() {
         k.write(g(x), 0, &pattern(x, gb)).unwrap();
     }
     k.sync_all().unwrap();
-    k.write(g(0), 0, &pattern(100, gb)).unwrap(); // dirty: no slot
-    // 0 dirty, 1 clean in T1, 5 and 6 new (two free slots), 7 new (none left).
+    k.write(g(0), 0, &pattern(100, gb)).unwrap(); // dirty: copied on write
+    // 0 dirty (a fresh slot), 1 clean in T1 (its own), 5 new (the last
+    // free slot), 6 and 7 new (none left).
     let want = [g(0), g(1), g(5), g(6), g(7)];
     let mut w = k.claim_slots(&want, false);
     let has: Vec<bool> = (0..5).map(|i| w.has(i)).collect();
-    assert_eq!(has, [false, true, true, true, false]);
+    assert_eq!(has, [true, true, true, false, false]);
     assert_eq!(w.held(), 3);
-    for (i, x) in [(1, 1), (2, 5), (3, 6)] {
+    for (i, x) in [(0, 0), (1, 1), (2, 5)] {
         w.bytes_mut(i)
             .unwrap()
             .copy_from_slice(&pattern(x + 10, gb));
     }
     // A reader of a held group waits for the commit: it never sees a
-    // half-written slot.
+    // half-written slot, nor the dirty group's old bytes once committed.
     std::thread::scope(|s| {
-        let r = s.spawn(|| read(1));
+        let r1 = s.spawn(|| read(1));
+        let r0 = s.spawn(|| read(0));
         std::thread::sleep(std::time::Duration::from_millis(50));
         w.commit();
-        assert_eq!(r.join().unwrap(), pattern(11, gb));
+        assert_eq!(r1.join().unwrap(), pattern(11, gb));
+        assert_eq!(r0.join().unwrap(), pattern(10, gb));
     });
     assert_eq!(read(5), pattern(15, gb));
-    assert_eq!(read(6), pattern(16, gb));
     assert!(k.query(g(5)).unwrap().dirty);
-    assert_eq!(read(0), pattern(100, gb), "the dirty group was left alone");
+    assert!(k.query(g(0)).unwrap().dirty);
+    // The dirty group's old slot went back to the free list.
+    assert_eq!(k.stats().t1_slots_used, 5);
     // Dropped without commit (a failed copy): clean and new groups read as
-    // before, from the backing.
+    // before, from the backing; a dirty group keeps its old bytes in T1.
     k.sync_all().unwrap();
-    let mut w = k.claim_slots(&[g(1), g(7), g(2)], false);
-    for i in 0..3 {
+    k.write(g(5), 0, &pattern(105, gb)).unwrap();
+    let mut w = k.claim_slots(&[g(1), g(7), g(2), g(5)], false);
+    for i in 0..4 {
         if let Some(b) = w.bytes_mut(i) {
             b.fill(0xa5);
         }
     }
-    assert!(w.has(0) && w.has(2));
+    assert!(
+        w.has(0) && w.has(1) && w.has(2) && !w.has(3),
+        "one free slot"
+    );
+    drop(w);
+    let mut w = k.claim_slots(&[g(5)], false);
+    assert!(w.has(0), "a dirty group copied on write");
+    w.bytes_mut(0).unwrap().fill(0xa5);
     drop(w);
     assert_eq!(read(1), pattern(11, gb));
     assert_eq!(read(2), pattern(2, gb));
     assert_eq!(read(7), vec![0u8; gb]);
     assert_eq!(k.query(g(7)).unwrap().residence, Residence::Empty);
+    assert_eq!(read(5), pattern(105, gb));
+    assert!(k.query(g(5)).unwrap().dirty);
+    k.sync_all().unwrap();
+    assert_eq!(
+        k.query(g(5)).unwrap().backing_crc,
+        Some(crc32c::crc32c(&pattern(105, gb)))
+    );
+}
+
+/// A sync that found a dirty group in its old slot while a store copied
+/// it on write to a fresh one writes back the new bytes, and so does a
+/// flush that waits on the held group: neither returns with it dirty.
+#[test]
+fn sync_and_flush_follow_a_group_copied_on_write() {
+    let (k, _sw, layout) = mem_cascade(6);
+    let gb = layout.group_bytes() as usize;
+    let g = GroupIndex;
+    let t = std::time::Instant::now();
+    while k.t1_ready_slots() < 6 {
+        assert!(t.elapsed().as_secs() < 60, "T1 never arrived");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    for (x, via_sync) in [(0u64, true), (1, false)] {
+        k.write(g(x), 0, &pattern(x, gb)).unwrap();
+        let mut w = k.claim_slots(&[g(x)], false);
+        assert!(w.has(0));
+        w.bytes_mut(0)
+            .unwrap()
+            .copy_from_slice(&pattern(x + 50, gb));
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| match via_sync {
+                true => k.sync_all(),
+                false => k.flush(g(x)),
+            });
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            w.commit();
+            waiter.join().unwrap().unwrap();
+        });
+        let q = k.query(g(x)).unwrap();
+        assert!(!q.dirty, "group {x} left dirty (sync: {via_sync})");
+        assert_eq!(q.backing_crc, Some(crc32c::crc32c(&pattern(x + 50, gb))));
+    }
 }
 
 #[test]

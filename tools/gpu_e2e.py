@@ -390,7 +390,7 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
     base_d2h = gbps(t_big_d2h)
     print(f"  one large pinned D2H copy (baseline)   {base_d2h:7.2f} GB/s")
     print(f"  kvfs store, {inflight} tickets in flight         {gbps(t_store):7.2f} GB/s  ({gbps(t_store) / base_d2h:.2f} of baseline)"
-          "  (overwrites of dirty T1 groups: through staging)")
+          "  (overwrites of dirty T1 groups: copied on write into free slots)")
     if t_store_ring is not None:
         print(f"  through the ring, {inflight} in flight         {gbps(t_store_ring):7.2f} GB/s  ({gbps(t_store_ring) / base_d2h:.2f})")
     if t_new is not None:

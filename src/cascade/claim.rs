@@ -24,7 +24,18 @@ pub struct SlotWrites<'a> {
     c: &'a Cascade,
     /// For each batch entry, its index into `held`.
     of: Vec<Option<u32>>,
-    held: Vec<(GroupIndex, Pin<'a>, RwLockWriteGuard<'a, ()>)>,
+    held: Vec<Held<'a>>,
+}
+
+/// One slot `claim_slots` holds for group `g`.
+struct Held<'a> {
+    g: GroupIndex,
+    pin: Pin<'a>,
+    guard: RwLockWriteGuard<'a, ()>,
+    /// Where `g` was dirty: its old slot, pinned and write-locked, freed on
+    /// commit (the write goes to a fresh slot, so the old bytes, T1's only
+    /// copy of them, are there until the new ones are whole).
+    old: Option<(Pin<'a>, RwLockWriteGuard<'a, ()>)>,
 }
 
 impl SlotWrites<'_> {
@@ -42,7 +53,7 @@ impl SlotWrites<'_> {
     /// The device address of entry `i`'s slot (T1 pinned and mapped).
     pub fn device_addr(&self, i: usize) -> Option<u64> {
         let h = self.of[i]? as usize;
-        self.c.slot_device_ptr(self.held[h].1.slot)
+        self.c.slot_device_ptr(self.held[h].pin.slot)
     }
 
     /// Entry `i`'s group bytes, for the caller to fill.
@@ -51,36 +62,66 @@ impl SlotWrites<'_> {
         let gb = self.c.layout.group_bytes() as usize;
         // SAFETY: we hold the slot's write lock for as long as self lives,
         // and the &mut self borrow makes this the only view of it.
-        Some(&mut unsafe { self.c.slot_bytes_mut(self.held[h].1.slot) }[..gb])
+        Some(&mut unsafe { self.c.slot_bytes_mut(self.held[h].pin.slot) }[..gb])
     }
 
     /// Every held slot was written in full: they become their groups'
-    /// (dirty) contents.
+    /// (dirty) contents, and the old slots of groups that were dirty go
+    /// back to the free list.
     pub fn commit(mut self) {
+        let c = self.c;
         let n = self.held.len() as u64;
         // All marked while every slot is still held.
-        self.c
-            .set_dirty_all(self.held.iter().map(|(_, pin, _)| pin.slot));
-        for (_, pin, guard) in self.held.drain(..) {
-            self.c.claimed[pin.slot.0 as usize].store(false, Ordering::Release);
-            drop(guard);
-            drop(pin);
+        c.set_dirty_all(self.held.iter().map(|h| h.pin.slot));
+        let olds: Vec<SlotId> = self
+            .held
+            .iter()
+            .filter_map(|h| h.old.as_ref().map(|(old, _)| old.slot))
+            .collect();
+        if !olds.is_empty() {
+            // A freed slot's bytes are nobody's: not dirty.
+            c.clear_dirty_all(olds.iter().copied());
+            let mut st = c.state.lock();
+            for &s in &olds {
+                st.policy.remove(s);
+                c.free_slot(&mut st, s);
+            }
         }
-        self.c
-            .counters
+        for h in self.held.drain(..) {
+            c.claimed[h.pin.slot.0 as usize].store(false, Ordering::Release);
+            if let Some((old, guard)) = h.old {
+                c.claimed[old.slot.0 as usize].store(false, Ordering::Release);
+                drop(guard);
+            }
+        }
+        c.counters
             .t1_write_bytes
-            .fetch_add(n * self.c.layout.group_bytes(), Ordering::Relaxed);
+            .fetch_add(n * c.layout.group_bytes(), Ordering::Relaxed);
     }
 }
 
 impl Drop for SlotWrites<'_> {
     /// Not committed (the copy failed): the held slots hold unknown bytes.
     /// Each was free or held a clean group, so it goes back to the free
-    /// list and its group reads from the backing, as before: nothing lost.
+    /// list and its group reads from the backing, as before; a group that
+    /// was dirty is mapped back to its old slot: nothing lost.
     fn drop(&mut self) {
-        for (g, pin, guard) in self.held.drain(..) {
-            self.c.claimed[pin.slot.0 as usize].store(false, Ordering::Release);
-            self.c.abandon(g, pin, guard);
+        let c = self.c;
+        for h in self.held.drain(..) {
+            c.claimed[h.pin.slot.0 as usize].store(false, Ordering::Release);
+            match h.old {
+                None => c.abandon(h.g, h.pin, h.guard),
+                Some((old, old_guard)) => {
+                    let mut st = c.state.lock();
+                    st.policy.remove(h.pin.slot);
+                    c.free_slot(&mut st, h.pin.slot);
+                    st.map.insert(h.g, old.slot);
+                    drop(st);
+                    drop(h.guard);
+                    c.claimed[old.slot.0 as usize].store(false, Ordering::Release);
+                    drop(old_guard);
+                }
+            }
         }
     }
 }
@@ -225,12 +266,15 @@ impl Cascade {
     /// Slots to write whole groups into in place (a GPU STORE writes them
     /// with one kernel launch, no host copy). Entry i gets a slot if its
     /// group is in T1 and clean (its own slot), or not in T1 while a free
-    /// slot is left (claimed and mapped to it); with `device`, only slots
-    /// T1 has device-mapped. A dirty group, a busy slot (only try-locks are
-    /// taken, so holding many can never deadlock) or no free slot: no slot,
-    /// and the caller writes that entry through `write_groups`. Because a
-    /// held slot is free or clean, dropping the claims after a failed copy
-    /// loses nothing. `groups` must be distinct and in range.
+    /// slot is left (claimed and mapped to it), or in T1 and dirty while a
+    /// free slot is left (mapped to that one; the old slot, T1's only copy
+    /// of its bytes, is held until `commit` frees it, or the drop maps the
+    /// group back to it); with `device`, only slots T1 has device-mapped.
+    /// A busy slot (only try-locks are taken, so holding many can never
+    /// deadlock) or no free slot: no slot, and the caller writes that
+    /// entry through `write_groups`. Because every group's old bytes stay
+    /// in T1 or the backing, dropping the claims after a failed copy loses
+    /// nothing. `groups` must be distinct and in range.
     pub fn claim_slots(&self, groups: &[GroupIndex], device: bool) -> SlotWrites<'_> {
         let mut w = SlotWrites {
             c: self,
@@ -259,60 +303,75 @@ impl Cascade {
                 None => next_free.next().copied(),
             }));
             // Free slots are taken from the end of the free list, in order,
-            // until one is pinned or busy (then no more new groups get one).
-            let mut taken = 0;
-            let mut free_ok = true;
+            // until one is pinned or busy (then no more groups get one).
+            let mut free = FreeTaker {
+                c: self,
+                free: &st.free,
+                taken: 0,
+                ok: true,
+                device,
+            };
             for (i, (&g, at)) in groups.iter().zip(found).enumerate() {
                 debug_assert!(g.0 < self.layout.group_count());
-                let (s, guard) = match at {
+                let (s, guard, old) = match at {
                     Some(s) => {
                         let i = s.0 as usize;
-                        if self.dirty[i].load(Ordering::Acquire)
-                            || st.slot_state[i] != SlotState::Resident
-                            || (device && self.slot_device_ptr(s).is_none())
-                        {
+                        if st.slot_state[i] != SlotState::Resident {
                             continue;
                         }
-                        let Some(guard) = self.slot_locks[i].try_write() else {
-                            continue;
-                        };
-                        (s, guard)
+                        if self.dirty[i].load(Ordering::Acquire) {
+                            // Copy on write: a fresh slot, the old one held.
+                            let Some(old_guard) = self.slot_locks[i].try_write() else {
+                                continue;
+                            };
+                            let Some((s2, guard)) = free.take() else {
+                                continue;
+                            };
+                            fresh.push(s2);
+                            (s2, guard, Some((self.pin_now(s), old_guard)))
+                        } else {
+                            if device && self.slot_device_ptr(s).is_none() {
+                                continue;
+                            }
+                            let Some(guard) = self.slot_locks[i].try_write() else {
+                                continue;
+                            };
+                            (s, guard, None)
+                        }
                     }
                     None => {
-                        let Some(&s) = st.free.iter().rev().nth(taken) else {
+                        let Some((s, guard)) = free.take() else {
                             continue;
                         };
-                        if !free_ok
-                            || self.pins[s.0 as usize].load(Ordering::Acquire) != 0
-                            || (device && self.slot_device_ptr(s).is_none())
-                        {
-                            free_ok = false;
-                            continue;
-                        }
-                        let Some(guard) = self.slot_locks[s.0 as usize].try_write() else {
-                            free_ok = false;
-                            continue;
-                        };
-                        taken += 1;
                         fresh.push(s);
-                        (s, guard)
+                        (s, guard, None)
                     }
                 };
                 w.of[i] = Some(w.held.len() as u32);
-                w.held.push((g, self.pin_now(s), guard));
+                w.held.push(Held {
+                    g,
+                    pin: self.pin_now(s),
+                    guard,
+                    old,
+                });
             }
+            let taken = free.taken;
             let left = st.free.len() - taken;
             st.free.truncate(left);
             let mut fresh_at = 0;
-            for (g, pin, _) in &w.held {
-                let s = pin.slot;
+            for h in &w.held {
+                let s = h.pin.slot;
                 if fresh.get(fresh_at) == Some(&s) {
                     fresh_at += 1;
-                    self.install(&mut st, s, *g);
+                    // A moved group's map entry now names the fresh slot.
+                    self.install(&mut st, s, h.g);
                 } else {
                     st.policy.touch(s);
                 }
                 self.claimed[s.0 as usize].store(true, Ordering::Release);
+                if let Some((old, _)) = &h.old {
+                    self.claimed[old.slot.0 as usize].store(true, Ordering::Release);
+                }
             }
         }
         let gb = self.layout.group_bytes() as usize;
@@ -324,5 +383,35 @@ impl Cascade {
             }
         }
         w
+    }
+}
+
+/// Takes free slots for `claim_slots` from the end of the free list, in
+/// order, until one is pinned, busy or (for a device) not device-mapped.
+struct FreeTaker<'a, 'f> {
+    c: &'a Cascade,
+    free: &'f [SlotId],
+    taken: usize,
+    ok: bool,
+    device: bool,
+}
+
+impl<'a> FreeTaker<'a, '_> {
+    fn take(&mut self) -> Option<(SlotId, RwLockWriteGuard<'a, ()>)> {
+        let &s = self.free.iter().rev().nth(self.taken)?;
+        let c = self.c;
+        if !self.ok
+            || c.pins[s.0 as usize].load(Ordering::Acquire) != 0
+            || (self.device && c.slot_device_ptr(s).is_none())
+        {
+            self.ok = false;
+            return None;
+        }
+        let Some(guard) = c.slot_locks[s.0 as usize].try_write() else {
+            self.ok = false;
+            return None;
+        };
+        self.taken += 1;
+        Some((s, guard))
     }
 }

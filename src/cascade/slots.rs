@@ -209,8 +209,19 @@ impl Cascade {
     }
 
     pub(super) fn clear_dirty(&self, s: SlotId) {
-        if self.dirty[s.0 as usize].swap(false, Ordering::AcqRel) {
-            self.counters.dirty_slots.fetch_sub(1, Ordering::Relaxed);
+        self.clear_dirty_all(std::iter::once(s));
+    }
+
+    /// Marks every slot of `slots` clean, taking from the shared dirty
+    /// count once.
+    pub(super) fn clear_dirty_all(&self, slots: impl Iterator<Item = SlotId>) {
+        let cleared = slots
+            .filter(|s| self.dirty[s.0 as usize].swap(false, Ordering::AcqRel))
+            .count();
+        if cleared > 0 {
+            self.counters
+                .dirty_slots
+                .fetch_sub(cleared as u64, Ordering::Relaxed);
         }
     }
 

@@ -10,8 +10,10 @@
 //! resolved by an executor job on a stream of its own, holding nobody up:
 //! T1 hits are pinned and read by the kernel through the device mapping,
 //! misses read from the backing into the engine's staging. A store claims
-//! T1 slots the kernel may write straight into (groups new to T1, or in it
-//! and clean); the rest land in staging and are written into T1 after.
+//! T1 slots the kernel may write straight into (groups new to T1, in it
+//! and clean, or in it and dirty: those get a free slot, and their old one
+//! is freed once the copy is done); the rest (a busy slot, no free slot
+//! left) land in staging and are written into T1 after.
 
 use super::admit::{Batch, Item};
 use super::session::Session;
@@ -247,6 +249,7 @@ impl Session {
                 return Ok(reply);
             }
             // Described before it is enqueued: no flag to wait on.
+            let runs_us = checked.elapsed().as_micros() as u64 - resident_us;
             let lane = self.lane(&gpu);
             let copy = gpu
                 .restore_now(
@@ -257,13 +260,18 @@ impl Session {
                     pieces(&work, &work.items, gb, shape.piece(), |i| addrs[i], true),
                 )
                 .map_err(fail)?;
+            let launched_us = checked.elapsed().as_micros() as u64;
             let (ticket, reply) = self.gpu_ticket(copy.event());
+            // Where admission's time goes: checks, pins, the look at the
+            // copy engines' runs, descriptors and launch, the ticket.
             tracing::debug!(
                 ticket,
                 n,
                 admit_us = admitted.elapsed().as_micros() as u64,
                 checks_us,
                 resident_us,
+                runs_us,
+                launch_us = launched_us - resident_us - runs_us,
                 "GPU restore of pinned T1 groups by the kernel"
             );
             self.release_after(&gpu, ticket, n, pins, move || copy.finish());
