@@ -5,10 +5,13 @@
 //! mapped, pinned and write-locked. A dirty victim is marked `Evicting`
 //! and written back outside the state lock before its slot is reused; if
 //! that write fails it stays resident and dirty, and the claim takes a
-//! clean victim instead, or, with none, gives the caller the error. A fill that fails abandons its claim: the slot goes back to the
-//! free list and the group reads from the backing as before. `claim_slots`
-//! hands out only free or clean slots and only try-locks them, so holding
-//! many cannot deadlock and dropping them after a failed copy loses nothing.
+//! clean victim instead, or, with none, gives the caller the error. A
+//! fill that fails abandons its claim: the slot goes back to the free list
+//! and the group reads from the backing as before. `claim_slots` hands out
+//! only free or clean slots to write (a dirty group gets a free slot, and
+//! its own slot takes that slot's memory on commit) and only try-locks
+//! them, so holding many cannot deadlock and dropping them after a failed
+//! copy loses nothing.
 
 use super::slots::Pin;
 use super::{Cascade, CascadeError, NO_GROUP, SlotId, SlotState, State};
@@ -30,11 +33,12 @@ pub struct SlotWrites<'a> {
 /// One slot `claim_slots` holds for group `g`.
 struct Held<'a> {
     g: GroupIndex,
+    /// The slot written: `g`'s own, or (with `old`) a fresh one.
     pin: Pin<'a>,
     guard: RwLockWriteGuard<'a, ()>,
-    /// Where `g` was dirty: its old slot, pinned and write-locked, freed on
-    /// commit (the write goes to a fresh slot, so the old bytes, T1's only
-    /// copy of them, are there until the new ones are whole).
+    /// Where `g` was dirty: its slot, pinned and write-locked, whose old
+    /// bytes (T1's only copy) stay untouched until `commit` swaps in the
+    /// fresh slot's memory.
     old: Option<(Pin<'a>, RwLockWriteGuard<'a, ()>)>,
 }
 
@@ -66,34 +70,30 @@ impl SlotWrites<'_> {
     }
 
     /// Every held slot was written in full: they become their groups'
-    /// (dirty) contents, and the old slots of groups that were dirty go
+    /// (dirty) contents. A dirty group's slot takes the fresh slot's
+    /// memory, and the fresh slot (with the old bytes, nobody's now) goes
     /// back to the free list.
     pub fn commit(mut self) {
         let c = self.c;
         let n = self.held.len() as u64;
         // All marked while every slot is still held.
-        c.set_dirty_all(self.held.iter().map(|h| h.pin.slot));
-        let olds: Vec<SlotId> = self
-            .held
-            .iter()
-            .filter_map(|h| h.old.as_ref().map(|(old, _)| old.slot))
-            .collect();
-        if !olds.is_empty() {
-            // A freed slot's bytes are nobody's: not dirty.
-            c.clear_dirty_all(olds.iter().copied());
-            let mut st = c.state.lock();
-            for &s in &olds {
-                st.policy.remove(s);
-                c.free_slot(&mut st, s);
-            }
-        }
+        c.set_dirty_all(self.held.iter().map(|h| match &h.old {
+            Some((old, _)) => old.slot,
+            None => h.pin.slot,
+        }));
+        let mut spare = Vec::new();
         for h in self.held.drain(..) {
-            c.claimed[h.pin.slot.0 as usize].store(false, Ordering::Release);
-            if let Some((old, guard)) = h.old {
-                c.claimed[old.slot.0 as usize].store(false, Ordering::Release);
-                drop(guard);
+            match h.old {
+                None => c.claimed[h.pin.slot.0 as usize].store(false, Ordering::Release),
+                Some((old, guard)) => {
+                    c.swap_memory(old.slot, h.pin.slot);
+                    c.claimed[old.slot.0 as usize].store(false, Ordering::Release);
+                    spare.push(h.pin.slot);
+                    drop(guard);
+                }
             }
         }
+        c.free_spare(spare);
         c.counters
             .t1_write_bytes
             .fetch_add(n * c.layout.group_bytes(), Ordering::Relaxed);
@@ -103,26 +103,25 @@ impl SlotWrites<'_> {
 impl Drop for SlotWrites<'_> {
     /// Not committed (the copy failed): the held slots hold unknown bytes.
     /// Each was free or held a clean group, so it goes back to the free
-    /// list and its group reads from the backing, as before; a group that
-    /// was dirty is mapped back to its old slot: nothing lost.
+    /// list and its group reads from the backing, as before; a dirty
+    /// group's own slot was never written: nothing lost.
     fn drop(&mut self) {
         let c = self.c;
+        let mut spare = Vec::new();
         for h in self.held.drain(..) {
-            c.claimed[h.pin.slot.0 as usize].store(false, Ordering::Release);
             match h.old {
-                None => c.abandon(h.g, h.pin, h.guard),
-                Some((old, old_guard)) => {
-                    let mut st = c.state.lock();
-                    st.policy.remove(h.pin.slot);
-                    c.free_slot(&mut st, h.pin.slot);
-                    st.map.insert(h.g, old.slot);
-                    drop(st);
-                    drop(h.guard);
+                None => {
+                    c.claimed[h.pin.slot.0 as usize].store(false, Ordering::Release);
+                    c.abandon(h.g, h.pin, h.guard);
+                }
+                Some((old, guard)) => {
                     c.claimed[old.slot.0 as usize].store(false, Ordering::Release);
-                    drop(old_guard);
+                    spare.push(h.pin.slot);
+                    drop(guard);
                 }
             }
         }
+        c.free_spare(spare);
     }
 }
 
@@ -250,6 +249,14 @@ impl Cascade {
         st.free.push(s);
     }
 
+    /// Puts fresh slots a copy on write took (never mapped, now let go)
+    /// back on the free list.
+    fn free_spare(&self, spare: Vec<SlotId>) {
+        if !spare.is_empty() {
+            self.state.lock().free.extend(spare);
+        }
+    }
+
     /// Undoes a claim whose fill failed: the slot goes back to the free list.
     pub(super) fn abandon(&self, g: GroupIndex, pin: Pin<'_>, guard: RwLockWriteGuard<'_, ()>) {
         let s = pin.slot;
@@ -267,9 +274,10 @@ impl Cascade {
     /// with one kernel launch, no host copy). Entry i gets a slot if its
     /// group is in T1 and clean (its own slot), or not in T1 while a free
     /// slot is left (claimed and mapped to it), or in T1 and dirty while a
-    /// free slot is left (mapped to that one; the old slot, T1's only copy
-    /// of its bytes, is held until `commit` frees it, or the drop maps the
-    /// group back to it); with `device`, only slots T1 has device-mapped.
+    /// free slot is left (copy on write: the caller writes the free slot,
+    /// the group's own slot, T1's only copy of its bytes, is held
+    /// untouched, and `commit` swaps their memory); with `device`, only
+    /// slots T1 has device-mapped.
     /// A busy slot (only try-locks are taken, so holding many can never
     /// deadlock) or no free slot: no slot, and the caller writes that
     /// entry through `write_groups`. Because every group's old bytes stay
@@ -296,11 +304,14 @@ impl Cascade {
             let found: Vec<Option<SlotId>> =
                 groups.iter().map(|g| st.map.get(g).copied()).collect();
             // The slots the claims below will most likely take: each
-            // group's own, or the next free one.
+            // group's own, and the next free one for a new or dirty group.
             let mut next_free = st.free.iter().rev();
-            self.warm_slots(found.iter().filter_map(|at| match at {
-                Some(s) => Some(*s),
-                None => next_free.next().copied(),
+            self.warm_slots(found.iter().flat_map(|&at| {
+                let fresh = match at {
+                    Some(s) if !self.dirty[s.0 as usize].load(Ordering::Relaxed) => None,
+                    _ => next_free.next().copied(),
+                };
+                at.into_iter().chain(fresh)
             }));
             // Free slots are taken from the end of the free list, in order,
             // until one is pinned or busy (then no more groups get one).
@@ -327,7 +338,6 @@ impl Cascade {
                             let Some((s2, guard)) = free.take() else {
                                 continue;
                             };
-                            fresh.push(s2);
                             (s2, guard, Some((self.pin_now(s), old_guard)))
                         } else {
                             if device && self.slot_device_ptr(s).is_none() {
@@ -361,22 +371,22 @@ impl Cascade {
             let mut fresh_at = 0;
             for h in &w.held {
                 let s = h.pin.slot;
+                // A dirty group's fresh slot stays unmapped: its own slot
+                // is the one marked and touched.
+                let own = h.old.as_ref().map_or(s, |(old, _)| old.slot);
                 if fresh.get(fresh_at) == Some(&s) {
                     fresh_at += 1;
-                    // A moved group's map entry now names the fresh slot.
                     self.install(&mut st, s, h.g);
                 } else {
-                    st.policy.touch(s);
+                    st.policy.touch(own);
                 }
-                self.claimed[s.0 as usize].store(true, Ordering::Release);
-                if let Some((old, _)) = &h.old {
-                    self.claimed[old.slot.0 as usize].store(true, Ordering::Release);
-                }
+                self.claimed[own.0 as usize].store(true, Ordering::Release);
             }
         }
         let gb = self.layout.group_bytes() as usize;
         if self.layout.stride() as usize > gb {
-            for s in fresh {
+            let spare = w.held.iter().filter(|h| h.old.is_some());
+            for s in fresh.into_iter().chain(spare.map(|h| h.pin.slot)) {
                 // SAFETY: we hold s's write lock (in w.held).
                 let slot = unsafe { self.slot_bytes_mut(s) };
                 slot[gb..].fill(0);

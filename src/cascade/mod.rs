@@ -304,6 +304,11 @@ pub struct Cascade {
     /// fills them): a job that must not wait on the GPU does not wait on
     /// these (`read_lock_nowait`).
     claimed: Box<[AtomicBool]>,
+    /// Each slot's memory: the arena place it uses (its own at first). A
+    /// store's commit swaps a dirty group's slot with a fresh one here,
+    /// under both slots' write locks (see `claim_slots`); anyone using a
+    /// slot's bytes holds its lock, so never sees a swap halfway.
+    phys: Box<[AtomicU32]>,
     state: Mutex<State>,
     changed: Condvar,
     stripes: Box<[Mutex<()>]>,
@@ -428,6 +433,7 @@ impl Cascade {
             tags: (0..n_slots).map(|_| AtomicU64::new(NO_GROUP)).collect(),
             dirty: (0..n_slots).map(|_| AtomicBool::new(false)).collect(),
             claimed: (0..n_slots).map(|_| AtomicBool::new(false)).collect(),
+            phys: (0..n_slots).map(AtomicU32::new).collect(),
             state: Mutex::new(State {
                 // Sized for a full T1 up front, like the per-slot arrays: a
                 // rehash of a large map under the state lock would stall

@@ -118,15 +118,25 @@ impl Cascade {
     fn slot_ptr(&self, s: SlotId) -> *mut u8 {
         debug_assert!(s.0 < self.n_slots);
         let a = &self.arena;
-        let base = a.bases[(s.0 / a.per_chunk) as usize].load(Ordering::Acquire);
+        let p = self.phys[s.0 as usize].load(Ordering::Relaxed);
+        let base = a.bases[(p / a.per_chunk) as usize].load(Ordering::Acquire);
         debug_assert!(
             !base.is_null(),
             "slot {} used before its chunk arrived",
             s.0
         );
-        // SAFETY: the slot's chunk is allocated (slots reach the free list
-        // only after their chunk's base is set) and the offset is inside it.
-        unsafe { base.add((s.0 % a.per_chunk) as usize * self.layout.stride() as usize) }
+        // SAFETY: the slot's memory is allocated (slots reach the free list
+        // only after their chunk's base is set, and swap memory only with
+        // such slots) and the offset is inside its chunk.
+        unsafe { base.add((p % a.per_chunk) as usize * self.layout.stride() as usize) }
+    }
+
+    /// Swaps the memory of slots `a` and `b`; the caller holds both
+    /// slots' write locks.
+    pub(super) fn swap_memory(&self, a: SlotId, b: SlotId) {
+        let pa = self.phys[a.0 as usize].load(Ordering::Relaxed);
+        let pb = self.phys[b.0 as usize].swap(pa, Ordering::Relaxed);
+        self.phys[a.0 as usize].store(pb, Ordering::Relaxed);
     }
 
     /// Takes in the T1 chunks the background allocator has finished.
@@ -166,8 +176,9 @@ impl Cascade {
     /// The device address of slot `s` where T1 is pinned and mapped.
     pub fn slot_device_ptr(&self, s: SlotId) -> Option<u64> {
         let a = &self.arena;
-        let base = a.dev_bases[(s.0 / a.per_chunk) as usize].load(Ordering::Acquire);
-        (base != 0).then(|| base + (s.0 % a.per_chunk) as u64 * self.layout.stride())
+        let p = self.phys[s.0 as usize].load(Ordering::Relaxed);
+        let base = a.dev_bases[(p / a.per_chunk) as usize].load(Ordering::Acquire);
+        (base != 0).then(|| base + (p % a.per_chunk) as u64 * self.layout.stride())
     }
 
     /// # Safety
@@ -266,7 +277,7 @@ impl Cascade {
         self.tags[s.0 as usize].load(Ordering::Acquire) == g.0
     }
 
-    /// Reads the per-slot words of `slots` (pin count, lock, flags, tag)
+    /// Reads the per-slot words of `slots` (pin count, lock, flags, tag, memory)
     /// with plain loads and nothing between them that waits, so the CPU
     /// overlaps their cache misses: a caller about to take atomics on many
     /// scattered slots (each locked instruction a full barrier on x86, which
@@ -280,7 +291,8 @@ impl Cascade {
                 .wrapping_add(self.slot_locks[i].is_locked() as u64)
                 .wrapping_add(self.claimed[i].load(Ordering::Relaxed) as u64)
                 .wrapping_add(self.dirty[i].load(Ordering::Relaxed) as u64)
-                .wrapping_add(self.tags[i].load(Ordering::Relaxed));
+                .wrapping_add(self.tags[i].load(Ordering::Relaxed))
+                .wrapping_add(self.phys[i].load(Ordering::Relaxed) as u64);
         }
         std::hint::black_box(x);
     }

@@ -133,7 +133,14 @@ impl Cascade {
     /// backing data and `g`'s metadata record.
     pub fn flush(&self, g: GroupIndex) -> Result<(), CascadeError> {
         self.check_index(g)?;
-        self.write_back_resident(g)?;
+        if let Some(pin) = self.pin_resident(g, false) {
+            let _r = self.slot_locks[pin.slot.0 as usize].read();
+            if self.holds(pin.slot, g) && self.dirty[pin.slot.0 as usize].load(Ordering::Acquire) {
+                // SAFETY: we hold the slot's read lock (writers are excluded).
+                self.write_back(g, unsafe { self.slot_bytes(pin.slot) })?;
+                self.clear_dirty(pin.slot);
+            }
+        }
         // An evicted group was written back without a sync: sync regardless.
         let taken: Vec<(GroupIndex, u64)> = self
             .unsynced
@@ -146,35 +153,13 @@ impl Cascade {
         self.meta.flush_one(g.0).map_err(CascadeError::MetaSync)
     }
 
-    /// Writes `g` back if T1 holds it dirty. A group that moves to another
-    /// slot meanwhile (a GPU store writing a dirty group copies it on
-    /// write) is looked up again, so its newest bytes are the ones written.
-    fn write_back_resident(&self, g: GroupIndex) -> Result<(), CascadeError> {
-        loop {
-            let Some(pin) = self.pin_resident(g, false) else {
-                return Ok(());
-            };
-            let _r = self.slot_locks[pin.slot.0 as usize].read();
-            if !self.holds(pin.slot, g) {
-                continue; // moved, evicted or abandoned meanwhile
-            }
-            if self.dirty[pin.slot.0 as usize].load(Ordering::Acquire) {
-                // SAFETY: we hold the slot's read lock (writers are excluded).
-                self.write_back(g, unsafe { self.slot_bytes(pin.slot) })?;
-                self.clear_dirty(pin.slot);
-            }
-            return Ok(());
-        }
-    }
-
     // Kept whole: its lock order (sync lock, slot locks, stripes in order) shows in one place.
     /// Writes back every dirty group and makes everything durable. Returns
     /// the first error; groups that failed stay dirty in T1.
     pub fn sync_all(&self) -> Result<(), CascadeError> {
         let _one = self.sync_lock.lock();
         let mut first_err: Option<CascadeError> = None;
-        // Each dirty slot pinned with the group it held then.
-        let pinned: Vec<(Pin<'_>, GroupIndex)> = loop {
+        let pinned: Vec<Pin<'_>> = loop {
             let st = self.state.lock();
             let busy = (0..self.n_slots as usize).any(|s| {
                 st.slot_state[s] == SlotState::Evicting && self.dirty[s].load(Ordering::Acquire)
@@ -191,32 +176,20 @@ impl Cascade {
                     st.slot_state[s as usize] == SlotState::Resident
                         && self.dirty[s as usize].load(Ordering::Acquire)
                 })
-                .map(|s| {
-                    let g = GroupIndex(self.tags[s as usize].load(Ordering::Acquire));
-                    (self.pin_now(SlotId(s)), g)
-                })
+                .map(|s| self.pin_now(SlotId(s)))
                 .collect();
         };
-        // Groups that left their slot before we locked it (copied on write
-        // to a fresh slot, dirty again there): written back after.
-        let mut moved = Vec::new();
         for chunk in pinned.chunks(SYNC_BATCH) {
             // Slot locks first, then stripes in order: never the other way
             // round, so no thread can wait on us while we wait on it.
             let guards: Vec<_> = chunk
                 .iter()
-                .map(|(p, _)| self.slot_locks[p.slot.0 as usize].read())
+                .map(|p| self.slot_locks[p.slot.0 as usize].read())
                 .collect();
-            moved.extend(
-                chunk
-                    .iter()
-                    .filter(|(p, g)| !self.holds(p.slot, *g))
-                    .map(|&(_, g)| g),
-            );
             let work: Vec<(SlotId, GroupIndex)> = chunk
                 .iter()
-                .filter(|(p, _)| self.dirty[p.slot.0 as usize].load(Ordering::Acquire))
-                .map(|(p, _)| {
+                .filter(|p| self.dirty[p.slot.0 as usize].load(Ordering::Acquire))
+                .map(|p| {
                     (
                         p.slot,
                         GroupIndex(self.tags[p.slot.0 as usize].load(Ordering::Acquire)),
@@ -261,11 +234,6 @@ impl Cascade {
             drop(guards);
         }
         drop(pinned);
-        for g in moved {
-            if let Err(e) = self.write_back_resident(g) {
-                first_err.get_or_insert(e);
-            }
-        }
         if let Some(e) = first_err {
             return Err(e);
         }
