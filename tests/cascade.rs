@@ -52,6 +52,17 @@ fn mem_cascade(slots: u64) -> (Cascade, kvfs::tier::FaultSwitch, GroupLayout) {
     (c, sw, layout)
 }
 
+/// `mem_cascade` once all of its T1 has arrived (T1 comes in chunks).
+fn mem_cascade_ready(slots: u64) -> (Cascade, kvfs::tier::FaultSwitch, GroupLayout) {
+    let (k, sw, layout) = mem_cascade(slots);
+    let t = std::time::Instant::now();
+    while k.t1_ready_slots() < slots {
+        assert!(t.elapsed().as_secs() < 60, "T1 never arrived");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    (k, sw, layout)
+}
+
 fn errno(e: &CascadeError) -> Option<i32> {
     match e {
         CascadeError::Tier(t) => t.os_error(),
@@ -346,15 +357,10 @@ fn a_long_run_of_write_backs_with_no_sync_is_synced() {
 
 #[test]
 fn slots_claimed_for_in_place_writes() {
-    let (k, _sw, layout) = mem_cascade(6);
+    // All of T1, so the counts below hold.
+    let (k, _sw, layout) = mem_cascade_ready(6);
     let gb = layout.group_bytes() as usize;
     let g = GroupIndex;
-    // All of T1 (it arrives in two-slot chunks), so the counts below hold.
-    let t = std::time::Instant::now();
-    while k.t1_ready_slots() < 6 {
-        assert!(t.elapsed().as_secs() < 60, "T1 never arrived");
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
     let read = |x: u64| {
         let mut out = vec![0u8; gb];
         k.read(g(x), 0, &mut out).unwrap();
@@ -424,19 +430,14 @@ fn slots_claimed_for_in_place_writes() {
     );
 }
 
-/// A sync that found a dirty group in its old slot while a store copied
-/// it on write to a fresh one writes back the new bytes, and so does a
-/// flush that waits on the held group: neither returns with it dirty.
+/// A sync or flush that meets a dirty group while a store copies it on
+/// write waits for the commit and writes back the new bytes: neither
+/// returns with the group dirty or its old bytes in the backing.
 #[test]
 fn sync_and_flush_follow_a_group_copied_on_write() {
-    let (k, _sw, layout) = mem_cascade(6);
+    let (k, _sw, layout) = mem_cascade_ready(6);
     let gb = layout.group_bytes() as usize;
     let g = GroupIndex;
-    let t = std::time::Instant::now();
-    while k.t1_ready_slots() < 6 {
-        assert!(t.elapsed().as_secs() < 60, "T1 never arrived");
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
     for (x, via_sync) in [(0u64, true), (1, false)] {
         k.write(g(x), 0, &pattern(x, gb)).unwrap();
         let mut w = k.claim_slots(&[g(x)], false);
