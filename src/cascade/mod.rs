@@ -286,42 +286,6 @@ struct State {
     policy: Box<dyn Policy>,
 }
 
-/// One slot's words, in one record: a claim or a pin of many scattered
-/// slots misses one cache line a slot, where an array a word took one
-/// each (two records share a line).
-#[repr(align(32))]
-struct SlotWords {
-    lock: RwLock<()>,
-    /// Group held; written only under the slot's write lock.
-    tag: AtomicU64,
-    pin: AtomicU32,
-    /// The arena place the slot's bytes are at (its own at first). A
-    /// store's commit swaps a dirty group's slot with a fresh one here,
-    /// under both slots' write locks (see `claim_slots`); anyone using a
-    /// slot's bytes holds its lock, so never sees a swap halfway.
-    phys: AtomicU32,
-    /// Changed only under the slot's lock: set under the write lock,
-    /// cleared by a write-back under the read or write lock.
-    dirty: AtomicBool,
-    /// Held by `claim_slots` (write-locked, maybe while a GPU kernel fills
-    /// it): a job that must not wait on the GPU does not wait on it
-    /// (`read_lock_nowait`).
-    claimed: AtomicBool,
-}
-
-impl SlotWords {
-    fn new(s: u32) -> SlotWords {
-        SlotWords {
-            lock: RwLock::new(()),
-            tag: AtomicU64::new(NO_GROUP),
-            pin: AtomicU32::new(0),
-            phys: AtomicU32::new(s),
-            dirty: AtomicBool::new(false),
-            claimed: AtomicBool::new(false),
-        }
-    }
-}
-
 pub struct Cascade {
     layout: GroupLayout,
     tier: Box<dyn Tier>,
@@ -329,8 +293,22 @@ pub struct Cascade {
     cfg: CascadeConfig,
     arena: Arena,
     n_slots: u32,
-    /// Each slot's words, side by side (see `SlotWords`).
-    slots: Box<[SlotWords]>,
+    slot_locks: Box<[RwLock<()>]>,
+    pins: Box<[AtomicU32]>,
+    /// Group held by each slot; written only under the slot's write lock.
+    tags: Box<[AtomicU64]>,
+    /// Changed only under the slot's lock: set under the write lock, cleared
+    /// by a write-back under the read or write lock.
+    dirty: Box<[AtomicBool]>,
+    /// Slots `claim_slots` holds (write-locked, maybe while a GPU kernel
+    /// fills them): a job that must not wait on the GPU does not wait on
+    /// these (`read_lock_nowait`).
+    claimed: Box<[AtomicBool]>,
+    /// Each slot's memory: the arena place it uses (its own at first). A
+    /// store's commit swaps a dirty group's slot with a fresh one here,
+    /// under both slots' write locks (see `claim_slots`); anyone using a
+    /// slot's bytes holds its lock, so never sees a swap halfway.
+    phys: Box<[AtomicU32]>,
     state: Mutex<State>,
     changed: Condvar,
     stripes: Box<[Mutex<()>]>,
@@ -450,7 +428,12 @@ impl Cascade {
                 ready_slots: AtomicU64::new(first_slots as u64),
             },
             n_slots,
-            slots: (0..n_slots).map(SlotWords::new).collect(),
+            slot_locks: (0..n_slots).map(|_| RwLock::new(())).collect(),
+            pins: (0..n_slots).map(|_| AtomicU32::new(0)).collect(),
+            tags: (0..n_slots).map(|_| AtomicU64::new(NO_GROUP)).collect(),
+            dirty: (0..n_slots).map(|_| AtomicBool::new(false)).collect(),
+            claimed: (0..n_slots).map(|_| AtomicBool::new(false)).collect(),
+            phys: (0..n_slots).map(AtomicU32::new).collect(),
             state: Mutex::new(State {
                 // Sized for a full T1 up front, like the per-slot arrays: a
                 // rehash of a large map under the state lock would stall
@@ -546,7 +529,7 @@ impl Cascade {
         if let Some(&s) = st.map.get(&g) {
             return Ok(GroupState {
                 residence: Residence::T1,
-                dirty: self.slots[s.0 as usize].dirty.load(Ordering::Acquire),
+                dirty: self.dirty[s.0 as usize].load(Ordering::Acquire),
                 backing_crc,
             });
         }
@@ -567,8 +550,8 @@ impl Cascade {
     pub fn used_groups(&self) -> u64 {
         let fresh = (0..self.n_slots as usize)
             .filter(|&s| {
-                self.slots[s].dirty.load(Ordering::Acquire) && {
-                    let g = self.slots[s].tag.load(Ordering::Acquire);
+                self.dirty[s].load(Ordering::Acquire) && {
+                    let g = self.tags[s].load(Ordering::Acquire);
                     g != NO_GROUP && g < self.meta.count() && !self.meta.get(g).written
                 }
             })

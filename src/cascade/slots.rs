@@ -41,11 +41,7 @@ pub(super) struct Pin<'a> {
 
 impl Drop for Pin<'_> {
     fn drop(&mut self) {
-        if self.c.slots[self.slot.0 as usize]
-            .pin
-            .fetch_sub(1, Ordering::AcqRel)
-            == 1
-        {
+        if self.c.pins[self.slot.0 as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
             self.c.changed.notify_all();
         }
     }
@@ -103,12 +99,12 @@ impl Drop for DevicePins {
         for &s in &self.locked {
             // SAFETY: pin_for_device took exactly one read lock on each of
             // these slots and forgot its guard.
-            unsafe { self.c.slots[s as usize].lock.force_unlock_read() };
+            unsafe { self.c.slot_locks[s as usize].force_unlock_read() };
         }
         let mut freed = false;
         for &p in &self.pinned {
             let (s, _) = slot_and_index(p);
-            freed |= self.c.slots[s as usize].pin.fetch_sub(1, Ordering::AcqRel) == 1;
+            freed |= self.c.pins[s as usize].fetch_sub(1, Ordering::AcqRel) == 1;
         }
         if freed {
             self.c.changed.notify_all();
@@ -122,7 +118,7 @@ impl Cascade {
     fn slot_ptr(&self, s: SlotId) -> *mut u8 {
         debug_assert!(s.0 < self.n_slots);
         let a = &self.arena;
-        let p = self.slots[s.0 as usize].phys.load(Ordering::Relaxed);
+        let p = self.phys[s.0 as usize].load(Ordering::Relaxed);
         let base = a.bases[(p / a.per_chunk) as usize].load(Ordering::Acquire);
         debug_assert!(
             !base.is_null(),
@@ -138,9 +134,9 @@ impl Cascade {
     /// Swaps the memory of slots `a` and `b`; the caller holds both
     /// slots' write locks.
     pub(super) fn swap_memory(&self, a: SlotId, b: SlotId) {
-        let pa = self.slots[a.0 as usize].phys.load(Ordering::Relaxed);
-        let pb = self.slots[b.0 as usize].phys.swap(pa, Ordering::Relaxed);
-        self.slots[a.0 as usize].phys.store(pb, Ordering::Relaxed);
+        let pa = self.phys[a.0 as usize].load(Ordering::Relaxed);
+        let pb = self.phys[b.0 as usize].swap(pa, Ordering::Relaxed);
+        self.phys[a.0 as usize].store(pb, Ordering::Relaxed);
     }
 
     /// Takes in the T1 chunks the background allocator has finished.
@@ -180,7 +176,7 @@ impl Cascade {
     /// The device address of slot `s` where T1 is pinned and mapped.
     pub fn slot_device_ptr(&self, s: SlotId) -> Option<u64> {
         let a = &self.arena;
-        let p = self.slots[s.0 as usize].phys.load(Ordering::Relaxed);
+        let p = self.phys[s.0 as usize].load(Ordering::Relaxed);
         let base = a.dev_bases[(p / a.per_chunk) as usize].load(Ordering::Acquire);
         (base != 0).then(|| base + (p % a.per_chunk) as u64 * self.layout.stride())
     }
@@ -214,7 +210,7 @@ impl Cascade {
     /// once (every thread's writes and write-backs update it).
     pub(super) fn set_dirty_all(&self, slots: impl Iterator<Item = SlotId>) {
         let newly = slots
-            .filter(|s| !self.slots[s.0 as usize].dirty.swap(true, Ordering::AcqRel))
+            .filter(|s| !self.dirty[s.0 as usize].swap(true, Ordering::AcqRel))
             .count();
         if newly > 0 {
             self.counters
@@ -231,7 +227,7 @@ impl Cascade {
     /// count once.
     pub(super) fn clear_dirty_all(&self, slots: impl Iterator<Item = SlotId>) {
         let cleared = slots
-            .filter(|s| self.slots[s.0 as usize].dirty.swap(false, Ordering::AcqRel))
+            .filter(|s| self.dirty[s.0 as usize].swap(false, Ordering::AcqRel))
             .count();
         if cleared > 0 {
             self.counters
@@ -246,7 +242,7 @@ impl Cascade {
     pub(super) fn pin_resident(&self, g: GroupIndex, touch: bool) -> Option<Pin<'_>> {
         let mut st = self.state.lock();
         let s = *st.map.get(&g)?;
-        self.slots[s.0 as usize].pin.fetch_add(1, Ordering::AcqRel);
+        self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
         if touch && st.slot_state[s.0 as usize] == SlotState::Resident {
             st.policy.touch(s);
         }
@@ -261,7 +257,7 @@ impl Cascade {
             .iter()
             .map(|g| {
                 let s = *st.map.get(g)?;
-                self.slots[s.0 as usize].pin.fetch_add(1, Ordering::AcqRel);
+                self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
                 if st.slot_state[s.0 as usize] == SlotState::Resident {
                     st.policy.touch(s);
                 }
@@ -278,10 +274,10 @@ impl Cascade {
     }
 
     pub(super) fn holds(&self, s: SlotId, g: GroupIndex) -> bool {
-        self.slots[s.0 as usize].tag.load(Ordering::Acquire) == g.0
+        self.tags[s.0 as usize].load(Ordering::Acquire) == g.0
     }
 
-    /// Reads the records of `slots` (pin count, lock, flags, tag, memory)
+    /// Reads the per-slot words of `slots` (pin count, lock, flags, tag, memory)
     /// with plain loads and nothing between them that waits, so the CPU
     /// overlaps their cache misses: a caller about to take atomics on many
     /// scattered slots (each locked instruction a full barrier on x86, which
@@ -289,15 +285,21 @@ impl Cascade {
     pub(super) fn warm_slots(&self, slots: impl Iterator<Item = SlotId>) {
         let mut x = 0u64;
         for s in slots {
-            // One word brings the slot's whole record (one cache line).
-            x = x.wrapping_add(self.slots[s.0 as usize].tag.load(Ordering::Relaxed));
+            let i = s.0 as usize;
+            x = x
+                .wrapping_add(self.pins[i].load(Ordering::Relaxed) as u64)
+                .wrapping_add(self.slot_locks[i].is_locked() as u64)
+                .wrapping_add(self.claimed[i].load(Ordering::Relaxed) as u64)
+                .wrapping_add(self.dirty[i].load(Ordering::Relaxed) as u64)
+                .wrapping_add(self.tags[i].load(Ordering::Relaxed))
+                .wrapping_add(self.phys[i].load(Ordering::Relaxed) as u64);
         }
         std::hint::black_box(x);
     }
 
     /// Pins `s`; the caller holds the state lock (pins are only added under it).
     pub(super) fn pin_now(&self, s: SlotId) -> Pin<'_> {
-        self.slots[s.0 as usize].pin.fetch_add(1, Ordering::AcqRel);
+        self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
         Pin { c: self, slot: s }
     }
 
@@ -308,13 +310,13 @@ impl Cascade {
     /// holds: a GPU STORE may be writing it in place, with its kernel
     /// queued behind that very gate.
     pub(super) fn read_lock_nowait(&self, s: usize) -> Option<RwLockReadGuard<'_, ()>> {
-        let lock = &self.slots[s].lock;
+        let lock = &self.slot_locks[s];
         let mut spins = 0u32;
         loop {
             if let Some(g) = lock.try_read_recursive() {
                 return Some(g);
             }
-            if self.slots[s].claimed.load(Ordering::Acquire) {
+            if self.claimed[s].load(Ordering::Acquire) {
                 return None;
             }
             spins += 1;
@@ -330,7 +332,7 @@ impl Cascade {
     /// `read_lock_nowait`.
     pub(super) fn read_lock(&self, s: usize, wait: bool) -> Option<RwLockReadGuard<'_, ()>> {
         match wait {
-            true => Some(self.slots[s].lock.read()),
+            true => Some(self.slot_locks[s].read()),
             false => self.read_lock_nowait(s),
         }
     }
@@ -414,7 +416,7 @@ impl Cascade {
             }
             for (i, s) in slots.into_iter().enumerate() {
                 let Some(s) = s else { continue };
-                self.slots[s.0 as usize].pin.fetch_add(1, Ordering::AcqRel);
+                self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
                 if st.slot_state[s.0 as usize] == SlotState::Resident {
                     st.policy.touch(s);
                 }
@@ -451,7 +453,7 @@ impl Cascade {
             let (s, i) = slot_and_index(pins.pinned[k]);
             if pins.locked.last() != Some(&s) {
                 // Released by DevicePins::drop.
-                std::mem::forget(self.slots[s as usize].lock.try_read()?);
+                std::mem::forget(self.slot_locks[s as usize].try_read()?);
                 pins.locked.push(s);
             }
             if !self.holds(SlotId(s), groups[i as usize]) {
