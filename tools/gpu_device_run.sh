@@ -18,7 +18,7 @@ fi
 pkill -9 -f gpu_e2e; pkill -9 -f kvfs-bin; for m in k16 k4 kg; do umount -l /mnt/$m 2>/dev/null; done; sleep 1; rm -rf /tmp/b16 /tmp/b4 /tmp/bg
 # Debug lines time each GPU restore (admission, pinning, copy) and each GPU
 # store chunk (claiming slots, the copy, writing staged groups): LOG=debug.
-export RUST_LOG=info${LOG:+,kvfs::control=$LOG}
+export RUST_LOG=info${LOG:+,kvfs::control=$LOG,kvfs::gpu=$LOG}
 # T1 of 6 GiB (16 KiB groups) and 4 GiB (4 KiB): stores of new groups then
 # run 19 and 12 batches a run (they fill half of T1), long enough to show
 # the rate with 4 tickets in flight, not only the pipeline filling and

@@ -385,6 +385,7 @@ impl Engine {
     ) -> Result<Restore, String> {
         let c = self.pool.driver()?;
         let pool = &self.pool;
+        let t0 = std::time::Instant::now();
         let mut table = pool.take_table(n)?;
         let table_dev = table
             .device_ptr()
@@ -399,9 +400,11 @@ impl Engine {
             None => Some(pool.take_stream()?),
         };
         let now = descs.is_some();
+        let t1 = std::time::Instant::now();
         if let Some(descs) = descs {
             write_descriptors(&mut table, n, descs);
         }
+        let t2 = std::time::Instant::now();
         let flag = table.as_ptr().cast::<u32>();
         let r = Restore {
             ready: match now {
@@ -444,6 +447,17 @@ impl Engine {
                 &r.event,
             )
         };
+        // Where a launch's time goes: the pooled table, event and stream;
+        // the descriptors; the driver's enqueue.
+        if now {
+            tracing::debug!(
+                n,
+                take_us = (t1 - t0).as_micros() as u64,
+                describe_us = (t2 - t1).as_micros() as u64,
+                enqueue_us = t2.elapsed().as_micros() as u64,
+                "GPU restore launched"
+            );
+        }
         e.map(|()| r)
     }
 
@@ -513,7 +527,7 @@ impl Engine {
 
 /// Writes `n` descriptors into `table` after its flag: those of `descs`
 /// in order, any left over skipped (src 0).
-fn write_descriptors(table: &mut HostBuf, n: usize, descs: &mut dyn Iterator<Item = Descriptor>) {
+fn write_descriptors(table: &mut HostBuf, n: usize, descs: impl Iterator<Item = Descriptor>) {
     let out = &mut table.as_mut_slice()[FLAG_BYTES..FLAG_BYTES + DESCRIPTOR_BYTES * n];
     let mut slots = out.chunks_exact_mut(DESCRIPTOR_BYTES);
     for (d, Descriptor { src, dst }) in slots.by_ref().zip(descs) {
@@ -649,9 +663,9 @@ impl Restore {
 
     /// Writes the `n` descriptors, in order (a shorter `descs` leaves the
     /// rest skipped).
-    pub fn describe(&mut self, mut descs: impl Iterator<Item = Descriptor>) {
+    pub fn describe(&mut self, descs: impl Iterator<Item = Descriptor>) {
         let table = self.table.as_mut().expect("until finished");
-        write_descriptors(table, self.n, &mut descs);
+        write_descriptors(table, self.n, descs);
     }
 
     /// Lets the copy run once its descriptors are written (`describe`);
@@ -721,7 +735,7 @@ impl Store {
             "a launch of at most chunk groups"
         );
         let table = self.table.as_mut().expect("until dropped");
-        write_descriptors(table, descs.len(), &mut descs.iter().copied());
+        write_descriptors(table, descs.len(), descs.iter().copied());
         // SAFETY: the table and staging live in `self` until it drops,
         // after this wait; the descriptors, written above, are the
         // caller's contract.
