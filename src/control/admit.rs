@@ -57,6 +57,16 @@ impl Item {
 }
 
 impl Batch {
+    /// A batch of `items` over `regions` (ids 0, 1, ...), for tests.
+    #[cfg(test)]
+    pub(super) fn of(regions: Vec<Arc<Region>>, items: Vec<Item>) -> Batch {
+        Batch {
+            ids: (0..regions.len() as u32).collect(),
+            regions,
+            items,
+        }
+    }
+
     pub(super) fn region(&self, it: &Item) -> &Region {
         &self.regions[it.region as usize]
     }

@@ -644,4 +644,68 @@ mod tests {
             .unwrap();
         assert_eq!(out, data[11]);
     }
+
+    /// `pieces` makes, entry by entry and row by row, the copies a plain
+    /// nested loop makes: contiguous entries, rows, skipped entries (slot
+    /// 0), both directions, whole groups and pieces of rows.
+    #[test]
+    fn pieces_match_a_plain_loop() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("region");
+        std::fs::write(&f, vec![0u8; 1 << 20]).unwrap();
+        let path = f.as_os_str().as_encoded_bytes();
+        let region = super::super::region::Region::map_host(path, 1 << 20, 0, 0).unwrap();
+        let gb = 1024u64;
+        let item = |i: u64, row_bytes: u32, pitch: u64| Item {
+            g: GroupIndex(i),
+            region: 0,
+            offset: i * 4096,
+            row_bytes,
+            pitch,
+        };
+        let items = vec![
+            item(0, 0, 0),
+            item(1, 256, 512),
+            item(2, 0, 0),
+            item(3, 128, 1024),
+            item(4, 512, 512),
+        ];
+        let work = Batch::of(vec![Arc::new(region)], items.clone());
+        let slot = |i: usize| {
+            if i == 2 {
+                0
+            } else {
+                (1 << 30) + i as u64 * 8192
+            }
+        };
+        for unit in [None, Some(128u64), Some(64)] {
+            for to_region in [true, false] {
+                let got: Vec<Descriptor> =
+                    pieces(&work, &items, gb, unit, slot, to_region).collect();
+                let mut want = Vec::new();
+                for (i, it) in items.iter().enumerate() {
+                    let s = slot(i);
+                    let r = work.region(it).device_addr(it.offset).unwrap_or(0);
+                    let (u, (row, pitch, rows)) = match unit {
+                        Some(u) => (u, it.rows(gb)),
+                        None => (gb, (gb, gb, 1)),
+                    };
+                    for k in 0..rows {
+                        for m in 0..row / u {
+                            let (a, b) = (s + k * row + m * u, r + k * pitch + m * u);
+                            want.push(match (s, to_region) {
+                                (0, _) => Descriptor { src: 0, dst: 0 },
+                                (_, true) => Descriptor { src: a, dst: b },
+                                (_, false) => Descriptor { src: b, dst: a },
+                            });
+                        }
+                    }
+                }
+                assert_eq!(got, want, "unit {unit:?}, to_region {to_region}");
+                assert!(want.len() >= items.len());
+            }
+        }
+        // Nothing to copy: nothing.
+        assert_eq!(pieces(&work, &[], gb, None, slot, true).count(), 0);
+    }
 }
