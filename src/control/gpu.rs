@@ -350,6 +350,7 @@ impl Session {
                     misses,
                     queued_us = (job_started - started).as_micros() as u64,
                     pin_us,
+                    describe_us = job_started.elapsed().as_micros() as u64 - pin_us,
                     "GPU restore: descriptors ready"
                 );
                 copy.start();
