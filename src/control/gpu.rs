@@ -49,6 +49,10 @@ const PIN_ON_ADMISSION_MAX: usize = 2048;
 /// through the gather kernel.
 const ENGINE_RUN_BYTES: usize = 64 << 10;
 
+/// Copies auto mode looks at before it judges a batch by the runs so far
+/// (each costs tens of nanoseconds on the admission path).
+const PROJECT_AFTER: usize = 64;
+
 fn copy_mode() -> CopyMode {
     static MODE: std::sync::OnceLock<CopyMode> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| match std::env::var("KVFS_GPU_COPY").as_deref() {
@@ -435,10 +439,19 @@ impl Session {
             CopyMode::Auto => (work.len() * gb as usize).div_ceil(ENGINE_RUN_BYTES),
             _ => usize::MAX,
         };
+        // Every copy is `unit` bytes.
+        let total = work.len() * (gb / unit) as usize;
         let mut runs = Runs::default();
         for p in pieces(work, &work.items, gb, Some(unit), |i| addrs[i], true) {
             runs.push(p.src, p.dst, unit as usize);
             if p.dst == 0 || runs.len() > most {
+                return None;
+            }
+            // Auto: the first PROJECT_AFTER copies making runs at twice the
+            // rate allowed stop the look (scattered slots, the usual case:
+            // 64 copies looked at, not 257).
+            let seen = runs.copies();
+            if seen >= PROJECT_AFTER && most != usize::MAX && runs.len() * total > 2 * most * seen {
                 return None;
             }
         }
