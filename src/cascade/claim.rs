@@ -84,10 +84,14 @@ impl SlotWrites<'_> {
         let mut spare = Vec::new();
         for h in self.held.drain(..) {
             match h.old {
-                None => c.claimed[h.pin.slot.0 as usize].store(false, Ordering::Release),
+                None => c.slots[h.pin.slot.0 as usize]
+                    .claimed
+                    .store(false, Ordering::Release),
                 Some((old, guard)) => {
                     c.swap_memory(old.slot, h.pin.slot);
-                    c.claimed[old.slot.0 as usize].store(false, Ordering::Release);
+                    c.slots[old.slot.0 as usize]
+                        .claimed
+                        .store(false, Ordering::Release);
                     spare.push(h.pin.slot);
                     drop(guard);
                 }
@@ -111,11 +115,15 @@ impl Drop for SlotWrites<'_> {
         for h in self.held.drain(..) {
             match h.old {
                 None => {
-                    c.claimed[h.pin.slot.0 as usize].store(false, Ordering::Release);
+                    c.slots[h.pin.slot.0 as usize]
+                        .claimed
+                        .store(false, Ordering::Release);
                     c.abandon(h.g, h.pin, h.guard);
                 }
                 Some((old, guard)) => {
-                    c.claimed[old.slot.0 as usize].store(false, Ordering::Release);
+                    c.slots[old.slot.0 as usize]
+                        .claimed
+                        .store(false, Ordering::Release);
                     spare.push(h.pin.slot);
                     drop(guard);
                 }
@@ -156,28 +164,27 @@ impl Cascade {
             if let Some(pos) = st
                 .free
                 .iter()
-                .rposition(|s| self.pins[s.0 as usize].load(Ordering::Acquire) == 0)
+                .rposition(|s| self.slots[s.0 as usize].pins.load(Ordering::Acquire) == 0)
             {
                 let s = st.free[pos];
-                if let Some(guard) = self.slot_locks[s.0 as usize].try_write() {
+                if let Some(guard) = self.slots[s.0 as usize].lock.try_write() {
                     st.free.swap_remove(pos);
                     self.install(&mut st, s, g);
                     return Ok(Claim::Got(self.pin_now(s), guard));
                 }
             }
-            let pins = &self.pins;
-            let locks = &self.slot_locks;
+            let slots = &self.slots;
             let victim = {
                 let State {
                     policy, slot_state, ..
                 } = &mut *st;
-                let dirty = &self.dirty;
                 let clean_only = failed.is_some();
                 policy.victim(&mut |s| {
+                    let m = &slots[s.0 as usize];
                     slot_state[s.0 as usize] == SlotState::Resident
-                        && pins[s.0 as usize].load(Ordering::Acquire) == 0
-                        && !locks[s.0 as usize].is_locked()
-                        && !(clean_only && dirty[s.0 as usize].load(Ordering::Acquire))
+                        && m.pins.load(Ordering::Acquire) == 0
+                        && !m.lock.is_locked()
+                        && !(clean_only && m.dirty.load(Ordering::Acquire))
                 })
             };
             if victim.is_none()
@@ -190,11 +197,11 @@ impl Cascade {
                 self.changed.wait_for(&mut st, Duration::from_millis(1));
                 continue;
             };
-            let Some(guard) = self.slot_locks[v.0 as usize].try_write() else {
+            let Some(guard) = self.slots[v.0 as usize].lock.try_write() else {
                 continue;
             };
-            let old = GroupIndex(self.tags[v.0 as usize].load(Ordering::Acquire));
-            if !self.dirty[v.0 as usize].load(Ordering::Acquire) {
+            let old = GroupIndex(self.slots[v.0 as usize].tag.load(Ordering::Acquire));
+            if !self.slots[v.0 as usize].dirty.load(Ordering::Acquire) {
                 st.map.remove(&old);
                 st.policy.remove(v);
                 self.counters.evictions.fetch_add(1, Ordering::Relaxed);
@@ -235,7 +242,7 @@ impl Cascade {
 
     /// Maps `g` to `s`, whose write lock the caller holds.
     fn install(&self, st: &mut State, s: SlotId, g: GroupIndex) {
-        self.tags[s.0 as usize].store(g.0, Ordering::Release);
+        self.slots[s.0 as usize].tag.store(g.0, Ordering::Release);
         st.map.insert(g, s);
         st.slot_state[s.0 as usize] = SlotState::Resident;
         st.policy.insert(s);
@@ -244,7 +251,9 @@ impl Cascade {
     /// Puts `s`, unmapped and untracked, on the free list; the caller holds
     /// its write lock.
     fn free_slot(&self, st: &mut State, s: SlotId) {
-        self.tags[s.0 as usize].store(NO_GROUP, Ordering::Release);
+        self.slots[s.0 as usize]
+            .tag
+            .store(NO_GROUP, Ordering::Release);
         st.slot_state[s.0 as usize] = SlotState::Free;
         st.free.push(s);
     }
@@ -301,14 +310,13 @@ impl Cascade {
             // then the map and policy updates, plain stores whose misses
             // overlap. Interleaved, each group's atomics waited for the
             // previous group's missing stores: most of a claim's time.
-            let found: Vec<Option<SlotId>> =
-                groups.iter().map(|g| st.map.get(g).copied()).collect();
+            let found: Vec<Option<SlotId>> = st.map.get_many(groups);
             // The slots the claims below will most likely take: each
             // group's own, and the next free one for a new or dirty group.
             let mut next_free = st.free.iter().rev();
             self.warm_slots(found.iter().flat_map(|&at| {
                 let fresh = match at {
-                    Some(s) if !self.dirty[s.0 as usize].load(Ordering::Relaxed) => None,
+                    Some(s) if !self.slots[s.0 as usize].dirty.load(Ordering::Relaxed) => None,
                     _ => next_free.next().copied(),
                 };
                 at.into_iter().chain(fresh)
@@ -330,9 +338,9 @@ impl Cascade {
                         if st.slot_state[i] != SlotState::Resident {
                             continue;
                         }
-                        if self.dirty[i].load(Ordering::Acquire) {
+                        if self.slots[i].dirty.load(Ordering::Acquire) {
                             // Copy on write: a fresh slot, the old one held.
-                            let Some(old_guard) = self.slot_locks[i].try_write() else {
+                            let Some(old_guard) = self.slots[i].lock.try_write() else {
                                 continue;
                             };
                             let Some((s2, guard)) = free.take() else {
@@ -343,7 +351,7 @@ impl Cascade {
                             if device && self.slot_device_ptr(s).is_none() {
                                 continue;
                             }
-                            let Some(guard) = self.slot_locks[i].try_write() else {
+                            let Some(guard) = self.slots[i].lock.try_write() else {
                                 continue;
                             };
                             (s, guard, None)
@@ -380,7 +388,9 @@ impl Cascade {
                 } else {
                     st.policy.touch(own);
                 }
-                self.claimed[own.0 as usize].store(true, Ordering::Release);
+                self.slots[own.0 as usize]
+                    .claimed
+                    .store(true, Ordering::Release);
             }
         }
         let gb = self.layout.group_bytes() as usize;
@@ -411,13 +421,13 @@ impl<'a> FreeTaker<'a, '_> {
         let &s = self.free.iter().rev().nth(self.taken)?;
         let c = self.c;
         if !self.ok
-            || c.pins[s.0 as usize].load(Ordering::Acquire) != 0
+            || c.slots[s.0 as usize].pins.load(Ordering::Acquire) != 0
             || (self.device && c.slot_device_ptr(s).is_none())
         {
             self.ok = false;
             return None;
         }
-        let Some(guard) = c.slot_locks[s.0 as usize].try_write() else {
+        let Some(guard) = c.slots[s.0 as usize].lock.try_write() else {
             self.ok = false;
             return None;
         };

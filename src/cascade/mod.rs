@@ -17,6 +17,7 @@ mod claim;
 mod meta;
 mod policy;
 mod read;
+mod slotmap;
 mod slots;
 mod store;
 mod write;
@@ -29,14 +30,15 @@ pub use slots::DevicePins;
 pub use store::{Backing, BackingConfig, StoreError};
 
 use crate::geometry::{GroupIndex, GroupLayout, OutOfRange};
-use crate::gpu::HostBuf;
+use crate::gpu::{HostBuf, huge_vec};
 use crate::tier::{Tier, TierError};
-use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
-use slots::Arena;
+use parking_lot::{Condvar, Mutex, MutexGuard};
+use slotmap::SlotMap;
+use slots::{Arena, SlotMeta};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::mpsc;
 
 /// Index of a T1 slot.
@@ -279,8 +281,31 @@ enum SlotState {
     Evicting,
 }
 
+/// A T1 chunk: on huge pages registered with the driver
+/// (`KVFS_T1_PAGES=huge`) or the driver's own pinned allocation (the
+/// default, `driver`).
+fn t1_alloc(bytes: usize) -> io::Result<HostBuf> {
+    static HUGE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let huge = *HUGE.get_or_init(|| {
+        let huge = std::env::var("KVFS_T1_PAGES").is_ok_and(|v| v == "huge");
+        tracing::info!(
+            "T1 chunks: {}",
+            if huge {
+                "huge pages, registered with the driver"
+            } else {
+                "the driver's pinned allocation"
+            }
+        );
+        huge
+    });
+    match huge {
+        true => HostBuf::alloc_huge(bytes),
+        false => HostBuf::alloc(bytes),
+    }
+}
+
 struct State {
-    map: HashMap<GroupIndex, SlotId, BuildHasherDefault<IndexHasher>>,
+    map: SlotMap,
     slot_state: Vec<SlotState>,
     free: Vec<SlotId>,
     policy: Box<dyn Policy>,
@@ -293,22 +318,8 @@ pub struct Cascade {
     cfg: CascadeConfig,
     arena: Arena,
     n_slots: u32,
-    slot_locks: Box<[RwLock<()>]>,
-    pins: Box<[AtomicU32]>,
-    /// Group held by each slot; written only under the slot's write lock.
-    tags: Box<[AtomicU64]>,
-    /// Changed only under the slot's lock: set under the write lock, cleared
-    /// by a write-back under the read or write lock.
-    dirty: Box<[AtomicBool]>,
-    /// Slots `claim_slots` holds (write-locked, maybe while a GPU kernel
-    /// fills them): a job that must not wait on the GPU does not wait on
-    /// these (`read_lock_nowait`).
-    claimed: Box<[AtomicBool]>,
-    /// Each slot's memory: the arena place it uses (its own at first). A
-    /// store's commit swaps a dirty group's slot with a fresh one here,
-    /// under both slots' write locks (see `claim_slots`); anyone using a
-    /// slot's bytes holds its lock, so never sees a swap halfway.
-    phys: Box<[AtomicU32]>,
+    /// Each slot's words (lock, pins, group, flags, memory), together.
+    slots: Box<[SlotMeta]>,
     state: Mutex<State>,
     changed: Condvar,
     stripes: Box<[Mutex<()>]>,
@@ -365,7 +376,7 @@ impl Cascade {
         let chunk_slots = move |i: usize| per_chunk.min(n_slots - i as u32 * per_chunk);
         let t = std::time::Instant::now();
         let first_bytes = chunk_slots(0) as u64 * stride;
-        let first = HostBuf::alloc(first_bytes as usize).map_err(|source| CascadeError::Alloc {
+        let first = t1_alloc(first_bytes as usize).map_err(|source| CascadeError::Alloc {
             bytes: first_bytes,
             source,
         })?;
@@ -383,7 +394,7 @@ impl Cascade {
                 .spawn(move || {
                     for i in 1..n_chunks {
                         let bytes = chunk_slots(i) as u64 * stride;
-                        match HostBuf::alloc(bytes as usize) {
+                        match t1_alloc(bytes as usize) {
                             Ok(b) => {
                                 if tx.send((i, b)).is_err() {
                                     return; // the cascade is gone
@@ -428,18 +439,13 @@ impl Cascade {
                 ready_slots: AtomicU64::new(first_slots as u64),
             },
             n_slots,
-            slot_locks: (0..n_slots).map(|_| RwLock::new(())).collect(),
-            pins: (0..n_slots).map(|_| AtomicU32::new(0)).collect(),
-            tags: (0..n_slots).map(|_| AtomicU64::new(NO_GROUP)).collect(),
-            dirty: (0..n_slots).map(|_| AtomicBool::new(false)).collect(),
-            claimed: (0..n_slots).map(|_| AtomicBool::new(false)).collect(),
-            phys: (0..n_slots).map(AtomicU32::new).collect(),
+            slots: huge_vec(n_slots as usize, |i| SlotMeta::new(i as u32)).into_boxed_slice(),
             state: Mutex::new(State {
                 // Sized for a full T1 up front, like the per-slot arrays: a
                 // rehash of a large map under the state lock would stall
                 // every reader and writer for milliseconds.
-                map: HashMap::with_capacity_and_hasher(n_slots as usize, Default::default()),
-                slot_state: vec![SlotState::Free; n_slots as usize],
+                map: SlotMap::new(n_slots as usize),
+                slot_state: huge_vec(n_slots as usize, |_| SlotState::Free),
                 // Reversed so slot 0 is used first.
                 free: (0..first_slots).rev().map(SlotId).collect(),
                 policy,
@@ -526,10 +532,10 @@ impl Cascade {
         let m = self.meta.get(g.0);
         let backing_crc = m.written.then_some(m.crc);
         let st = self.state.lock();
-        if let Some(&s) = st.map.get(&g) {
+        if let Some(s) = st.map.get(&g) {
             return Ok(GroupState {
                 residence: Residence::T1,
-                dirty: self.dirty[s.0 as usize].load(Ordering::Acquire),
+                dirty: self.slots[s.0 as usize].dirty.load(Ordering::Acquire),
                 backing_crc,
             });
         }
@@ -550,8 +556,8 @@ impl Cascade {
     pub fn used_groups(&self) -> u64 {
         let fresh = (0..self.n_slots as usize)
             .filter(|&s| {
-                self.dirty[s].load(Ordering::Acquire) && {
-                    let g = self.tags[s].load(Ordering::Acquire);
+                self.slots[s].dirty.load(Ordering::Acquire) && {
+                    let g = self.slots[s].tag.load(Ordering::Acquire);
                     g != NO_GROUP && g < self.meta.count() && !self.meta.get(g).written
                 }
             })
@@ -561,7 +567,7 @@ impl Cascade {
 
     /// The groups resident in T1, sorted.
     pub fn resident(&self) -> Vec<GroupIndex> {
-        let mut v: Vec<GroupIndex> = self.state.lock().map.keys().copied().collect();
+        let mut v: Vec<GroupIndex> = self.state.lock().map.keys().collect();
         v.sort_unstable();
         v
     }

@@ -20,6 +20,9 @@ pub trait Policy: Send {
     fn touch(&mut self, slot: SlotId);
     fn remove(&mut self, slot: SlotId);
     fn victim(&mut self, evictable: &mut dyn FnMut(SlotId) -> bool) -> Option<SlotId>;
+    /// Brings what `touch(slot)` or `insert(slot)` will write into cache
+    /// (see `slotmap::prefetch`).
+    fn prefetch(&self, slot: SlotId);
 }
 
 /// Policies selectable by name.
@@ -78,15 +81,12 @@ struct SlotList {
 impl SlotList {
     fn new(capacity: u32) -> SlotList {
         SlotList {
-            nodes: vec![
-                Node {
-                    prev: NIL,
-                    next: NIL,
-                    linked: false,
-                    mark: false,
-                };
-                capacity as usize
-            ],
+            nodes: crate::gpu::huge_vec(capacity as usize, |_| Node {
+                prev: NIL,
+                next: NIL,
+                linked: false,
+                mark: false,
+            }),
             head: NIL,
             tail: NIL,
             len: 0,
@@ -163,6 +163,10 @@ impl Policy for Sieve {
         self.list.push_head(slot.0);
     }
 
+    fn prefetch(&self, slot: SlotId) {
+        super::slotmap::prefetch(&self.list.nodes[slot.0 as usize]);
+    }
+
     fn touch(&mut self, slot: SlotId) {
         self.list.nodes[slot.0 as usize].mark = true;
     }
@@ -214,6 +218,10 @@ impl Policy for Lru {
 
     fn insert(&mut self, slot: SlotId) {
         self.list.push_head(slot.0);
+    }
+
+    fn prefetch(&self, slot: SlotId) {
+        super::slotmap::prefetch(&self.list.nodes[slot.0 as usize]);
     }
 
     fn touch(&mut self, slot: SlotId) {

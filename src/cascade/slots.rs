@@ -11,12 +11,12 @@
 //! overwritten under a reader. A holder of several slot locks takes them in
 //! ascending slot order, so waits cannot form a cycle.
 
-use super::{Cascade, SlotId, SlotState, State};
+use super::{Cascade, NO_GROUP, SlotId, SlotState, State};
 use crate::geometry::GroupIndex;
 use crate::gpu::HostBuf;
-use parking_lot::{Mutex, RwLockReadGuard};
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc;
 
 /// T1's memory: chunks of slots, adopted as the background allocator
@@ -33,6 +33,47 @@ pub(super) struct Arena {
     pub(super) ready_slots: AtomicU64,
 }
 
+/// One slot's words, kept together so that a claim, pin or copy of a
+/// slot misses the cache once, not once an array: on a host whose last
+/// level cache is far smaller than T1's metadata, each of 4096 scattered
+/// slots a GPU ticket touches is a trip to DRAM per line.
+#[repr(C, align(32))]
+pub(super) struct SlotMeta {
+    pub(super) lock: RwLock<()>,
+    /// Group held; written only under the slot's write lock.
+    pub(super) tag: AtomicU64,
+    pub(super) pins: AtomicU32,
+    /// The arena place whose memory the slot uses (its own at first). A
+    /// store's commit swaps a dirty group's slot with a fresh one here,
+    /// under both slots' write locks (see `claim_slots`); anyone using a
+    /// slot's bytes holds its lock, so never sees a swap halfway.
+    pub(super) phys: AtomicU32,
+    /// Changed only under the slot's lock: set under the write lock,
+    /// cleared by a write-back under the read or write lock.
+    pub(super) dirty: AtomicBool,
+    /// Held by `claim_slots` (write-locked, maybe while a GPU kernel fills
+    /// it): a job that must not wait on the GPU does not wait on it
+    /// (`read_lock_nowait`).
+    pub(super) claimed: AtomicBool,
+}
+
+// Two to a cache line, each whole in one.
+const _: () = assert!(std::mem::size_of::<SlotMeta>() == 32);
+
+impl SlotMeta {
+    /// Slot `i`, free and using its own memory.
+    pub(super) fn new(i: u32) -> SlotMeta {
+        SlotMeta {
+            lock: RwLock::new(()),
+            tag: AtomicU64::new(NO_GROUP),
+            pins: AtomicU32::new(0),
+            phys: AtomicU32::new(i),
+            dirty: AtomicBool::new(false),
+            claimed: AtomicBool::new(false),
+        }
+    }
+}
+
 /// A pin on a slot, dropped when the copy or fill that needed it is done.
 pub(super) struct Pin<'a> {
     c: &'a Cascade,
@@ -41,7 +82,11 @@ pub(super) struct Pin<'a> {
 
 impl Drop for Pin<'_> {
     fn drop(&mut self) {
-        if self.c.pins[self.slot.0 as usize].fetch_sub(1, Ordering::AcqRel) == 1 {
+        if self.c.slots[self.slot.0 as usize]
+            .pins
+            .fetch_sub(1, Ordering::AcqRel)
+            == 1
+        {
             self.c.changed.notify_all();
         }
     }
@@ -99,12 +144,12 @@ impl Drop for DevicePins {
         for &s in &self.locked {
             // SAFETY: pin_for_device took exactly one read lock on each of
             // these slots and forgot its guard.
-            unsafe { self.c.slot_locks[s as usize].force_unlock_read() };
+            unsafe { self.c.slots[s as usize].lock.force_unlock_read() };
         }
         let mut freed = false;
         for &p in &self.pinned {
             let (s, _) = slot_and_index(p);
-            freed |= self.c.pins[s as usize].fetch_sub(1, Ordering::AcqRel) == 1;
+            freed |= self.c.slots[s as usize].pins.fetch_sub(1, Ordering::AcqRel) == 1;
         }
         if freed {
             self.c.changed.notify_all();
@@ -118,7 +163,7 @@ impl Cascade {
     fn slot_ptr(&self, s: SlotId) -> *mut u8 {
         debug_assert!(s.0 < self.n_slots);
         let a = &self.arena;
-        let p = self.phys[s.0 as usize].load(Ordering::Relaxed);
+        let p = self.slots[s.0 as usize].phys.load(Ordering::Relaxed);
         let base = a.bases[(p / a.per_chunk) as usize].load(Ordering::Acquire);
         debug_assert!(
             !base.is_null(),
@@ -134,9 +179,15 @@ impl Cascade {
     /// Swaps the memory of slots `a` and `b`; the caller holds both
     /// slots' write locks.
     pub(super) fn swap_memory(&self, a: SlotId, b: SlotId) {
-        let pa = self.phys[a.0 as usize].load(Ordering::Relaxed);
-        let pb = self.phys[b.0 as usize].swap(pa, Ordering::Relaxed);
-        self.phys[a.0 as usize].store(pb, Ordering::Relaxed);
+        // Plain loads and stores, no locked swap: the write locks keep
+        // every other user of either slot's memory out.
+        let (a, b) = (
+            &self.slots[a.0 as usize].phys,
+            &self.slots[b.0 as usize].phys,
+        );
+        let (pa, pb) = (a.load(Ordering::Relaxed), b.load(Ordering::Relaxed));
+        a.store(pb, Ordering::Relaxed);
+        b.store(pa, Ordering::Relaxed);
     }
 
     /// Takes in the T1 chunks the background allocator has finished.
@@ -176,7 +227,7 @@ impl Cascade {
     /// The device address of slot `s` where T1 is pinned and mapped.
     pub fn slot_device_ptr(&self, s: SlotId) -> Option<u64> {
         let a = &self.arena;
-        let p = self.phys[s.0 as usize].load(Ordering::Relaxed);
+        let p = self.slots[s.0 as usize].phys.load(Ordering::Relaxed);
         let base = a.dev_bases[(p / a.per_chunk) as usize].load(Ordering::Acquire);
         (base != 0).then(|| base + (p % a.per_chunk) as u64 * self.layout.stride())
     }
@@ -207,10 +258,17 @@ impl Cascade {
     }
 
     /// Marks every slot of `slots` dirty, adding to the shared dirty count
-    /// once (every thread's writes and write-backs update it).
+    /// once (every thread's writes and write-backs update it). The caller
+    /// holds each slot's write lock, and only a write-lock holder sets the
+    /// flag, so a load and a store do (no locked swap per slot).
     pub(super) fn set_dirty_all(&self, slots: impl Iterator<Item = SlotId>) {
         let newly = slots
-            .filter(|s| !self.dirty[s.0 as usize].swap(true, Ordering::AcqRel))
+            .filter(|s| {
+                let d = &self.slots[s.0 as usize].dirty;
+                let was = d.load(Ordering::Acquire);
+                d.store(true, Ordering::Release);
+                !was
+            })
             .count();
         if newly > 0 {
             self.counters
@@ -227,7 +285,7 @@ impl Cascade {
     /// count once.
     pub(super) fn clear_dirty_all(&self, slots: impl Iterator<Item = SlotId>) {
         let cleared = slots
-            .filter(|s| self.dirty[s.0 as usize].swap(false, Ordering::AcqRel))
+            .filter(|s| self.slots[s.0 as usize].dirty.swap(false, Ordering::AcqRel))
             .count();
         if cleared > 0 {
             self.counters
@@ -241,8 +299,8 @@ impl Cascade {
     /// Pins the slot holding `g`, if any (and tells the policy of the hit).
     pub(super) fn pin_resident(&self, g: GroupIndex, touch: bool) -> Option<Pin<'_>> {
         let mut st = self.state.lock();
-        let s = *st.map.get(&g)?;
-        self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+        let s = st.map.get(&g)?;
+        self.slots[s.0 as usize].pins.fetch_add(1, Ordering::AcqRel);
         if touch && st.slot_state[s.0 as usize] == SlotState::Resident {
             st.policy.touch(s);
         }
@@ -256,8 +314,8 @@ impl Cascade {
         groups
             .iter()
             .map(|g| {
-                let s = *st.map.get(g)?;
-                self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+                let s = st.map.get(g)?;
+                self.slots[s.0 as usize].pins.fetch_add(1, Ordering::AcqRel);
                 if st.slot_state[s.0 as usize] == SlotState::Resident {
                     st.policy.touch(s);
                 }
@@ -274,32 +332,34 @@ impl Cascade {
     }
 
     pub(super) fn holds(&self, s: SlotId, g: GroupIndex) -> bool {
-        self.tags[s.0 as usize].load(Ordering::Acquire) == g.0
+        self.slots[s.0 as usize].tag.load(Ordering::Acquire) == g.0
     }
 
-    /// Reads the per-slot words of `slots` (pin count, lock, flags, tag, memory)
-    /// with plain loads and nothing between them that waits, so the CPU
-    /// overlaps their cache misses: a caller about to take atomics on many
-    /// scattered slots (each locked instruction a full barrier on x86, which
-    /// would otherwise take the misses one at a time) calls this first.
+    /// Reads each of `slots`' words (one line: see `SlotMeta`) with plain
+    /// loads and nothing between them that waits, so the CPU overlaps
+    /// their cache misses: a caller about to take atomics on many scattered
+    /// slots (each locked instruction a full barrier on x86, which would
+    /// otherwise take the misses one at a time) calls this first.
     pub(super) fn warm_slots(&self, slots: impl Iterator<Item = SlotId>) {
         let mut x = 0u64;
         for s in slots {
-            let i = s.0 as usize;
-            x = x
-                .wrapping_add(self.pins[i].load(Ordering::Relaxed) as u64)
-                .wrapping_add(self.slot_locks[i].is_locked() as u64)
-                .wrapping_add(self.claimed[i].load(Ordering::Relaxed) as u64)
-                .wrapping_add(self.dirty[i].load(Ordering::Relaxed) as u64)
-                .wrapping_add(self.tags[i].load(Ordering::Relaxed))
-                .wrapping_add(self.phys[i].load(Ordering::Relaxed) as u64);
+            x = x.wrapping_add(self.slots[s.0 as usize].tag.load(Ordering::Relaxed));
         }
         std::hint::black_box(x);
     }
 
+    /// Brings slot `s`'s words, state and policy record into cache, for a
+    /// pass of atomics over many scattered slots that follows.
+    pub(super) fn prefetch_slot(&self, st: &State, s: SlotId) {
+        use super::slotmap::prefetch;
+        prefetch(&self.slots[s.0 as usize]);
+        prefetch(&st.slot_state[s.0 as usize]);
+        st.policy.prefetch(s);
+    }
+
     /// Pins `s`; the caller holds the state lock (pins are only added under it).
     pub(super) fn pin_now(&self, s: SlotId) -> Pin<'_> {
-        self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+        self.slots[s.0 as usize].pins.fetch_add(1, Ordering::AcqRel);
         Pin { c: self, slot: s }
     }
 
@@ -310,13 +370,13 @@ impl Cascade {
     /// holds: a GPU STORE may be writing it in place, with its kernel
     /// queued behind that very gate.
     pub(super) fn read_lock_nowait(&self, s: usize) -> Option<RwLockReadGuard<'_, ()>> {
-        let lock = &self.slot_locks[s];
+        let lock = &self.slots[s].lock;
         let mut spins = 0u32;
         loop {
             if let Some(g) = lock.try_read_recursive() {
                 return Some(g);
             }
-            if self.claimed[s].load(Ordering::Acquire) {
+            if self.slots[s].claimed.load(Ordering::Acquire) {
                 return None;
             }
             spins += 1;
@@ -332,7 +392,7 @@ impl Cascade {
     /// `read_lock_nowait`.
     pub(super) fn read_lock(&self, s: usize, wait: bool) -> Option<RwLockReadGuard<'_, ()>> {
         match wait {
-            true => Some(self.slot_locks[s].read()),
+            true => Some(self.slots[s].lock.read()),
             false => self.read_lock_nowait(s),
         }
     }
@@ -409,14 +469,16 @@ impl Cascade {
             // Every lookup first, with no atomic between them (a locked
             // instruction is a full barrier on x86): so the CPU overlaps
             // their cache misses, then pins.
-            let slots: Vec<Option<SlotId>> =
-                groups.iter().map(|g| st.map.get(g).copied()).collect();
+            let slots: Vec<Option<SlotId>> = st.map.get_many(groups);
             if all && slots.iter().any(Option::is_none) {
                 return None;
             }
+            for &s in slots.iter().flatten() {
+                self.prefetch_slot(&st, s);
+            }
             for (i, s) in slots.into_iter().enumerate() {
                 let Some(s) = s else { continue };
-                self.pins[s.0 as usize].fetch_add(1, Ordering::AcqRel);
+                self.slots[s.0 as usize].pins.fetch_add(1, Ordering::AcqRel);
                 if st.slot_state[s.0 as usize] == SlotState::Resident {
                     st.policy.touch(s);
                 }
@@ -453,7 +515,7 @@ impl Cascade {
             let (s, i) = slot_and_index(pins.pinned[k]);
             if pins.locked.last() != Some(&s) {
                 // Released by DevicePins::drop.
-                std::mem::forget(self.slot_locks[s as usize].try_read()?);
+                std::mem::forget(self.slots[s as usize].lock.try_read()?);
                 pins.locked.push(s);
             }
             if !self.holds(SlotId(s), groups[i as usize]) {

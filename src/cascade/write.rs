@@ -47,7 +47,7 @@ impl Cascade {
                 later.push(i);
                 continue;
             };
-            let _w = self.slot_locks[pin.slot.0 as usize].write();
+            let _w = self.slots[pin.slot.0 as usize].lock.write();
             if !self.holds(pin.slot, groups[i]) {
                 later.push(i); // its fill failed meanwhile
                 continue;
@@ -80,7 +80,7 @@ impl Cascade {
         let gb = self.layout.group_bytes() as usize;
         loop {
             if let Some(pin) = self.pin_resident(g, true) {
-                let _w = self.slot_locks[pin.slot.0 as usize].write();
+                let _w = self.slots[pin.slot.0 as usize].lock.write();
                 if !self.holds(pin.slot, g) {
                     continue; // evicted or abandoned meanwhile
                 }

@@ -134,8 +134,12 @@ impl Cascade {
     pub fn flush(&self, g: GroupIndex) -> Result<(), CascadeError> {
         self.check_index(g)?;
         if let Some(pin) = self.pin_resident(g, false) {
-            let _r = self.slot_locks[pin.slot.0 as usize].read();
-            if self.holds(pin.slot, g) && self.dirty[pin.slot.0 as usize].load(Ordering::Acquire) {
+            let _r = self.slots[pin.slot.0 as usize].lock.read();
+            if self.holds(pin.slot, g)
+                && self.slots[pin.slot.0 as usize]
+                    .dirty
+                    .load(Ordering::Acquire)
+            {
                 // SAFETY: we hold the slot's read lock (writers are excluded).
                 self.write_back(g, unsafe { self.slot_bytes(pin.slot) })?;
                 self.clear_dirty(pin.slot);
@@ -162,7 +166,8 @@ impl Cascade {
         let pinned: Vec<Pin<'_>> = loop {
             let st = self.state.lock();
             let busy = (0..self.n_slots as usize).any(|s| {
-                st.slot_state[s] == SlotState::Evicting && self.dirty[s].load(Ordering::Acquire)
+                st.slot_state[s] == SlotState::Evicting
+                    && self.slots[s].dirty.load(Ordering::Acquire)
             });
             if busy {
                 // An eviction is writing a group back; let it finish (or fail
@@ -174,7 +179,7 @@ impl Cascade {
             break (0..self.n_slots)
                 .filter(|&s| {
                     st.slot_state[s as usize] == SlotState::Resident
-                        && self.dirty[s as usize].load(Ordering::Acquire)
+                        && self.slots[s as usize].dirty.load(Ordering::Acquire)
                 })
                 .map(|s| self.pin_now(SlotId(s)))
                 .collect();
@@ -184,15 +189,15 @@ impl Cascade {
             // round, so no thread can wait on us while we wait on it.
             let guards: Vec<_> = chunk
                 .iter()
-                .map(|p| self.slot_locks[p.slot.0 as usize].read())
+                .map(|p| self.slots[p.slot.0 as usize].lock.read())
                 .collect();
             let work: Vec<(SlotId, GroupIndex)> = chunk
                 .iter()
-                .filter(|p| self.dirty[p.slot.0 as usize].load(Ordering::Acquire))
+                .filter(|p| self.slots[p.slot.0 as usize].dirty.load(Ordering::Acquire))
                 .map(|p| {
                     (
                         p.slot,
-                        GroupIndex(self.tags[p.slot.0 as usize].load(Ordering::Acquire)),
+                        GroupIndex(self.slots[p.slot.0 as usize].tag.load(Ordering::Acquire)),
                     )
                 })
                 .filter(|(_, g)| g.0 != NO_GROUP)

@@ -496,10 +496,12 @@ impl Session {
                     // A batch naming a group twice goes through staging, in order.
                     let mut sorted: Vec<u64> = groups.iter().map(|g| g.0).collect();
                     sorted.sort_unstable();
+                    let ts = Instant::now();
                     let slots = sorted
                         .windows(2)
                         .all(|w| w[0] != w[1])
                         .then(|| cascade.claim_slots(&groups, true));
+                    let slots_us = ts.elapsed().as_micros() as u64;
                     let direct: Vec<Option<u64>> = (0..items.len())
                         .map(|i| slots.as_ref().and_then(|w| w.device_addr(i)))
                         .collect();
@@ -526,6 +528,7 @@ impl Session {
                     if let Some(w) = slots {
                         w.commit();
                     }
+                    let commit_us = t2.elapsed().as_micros() as u64;
                     let staged: Vec<usize> =
                         (0..items.len()).filter(|&i| direct[i].is_none()).collect();
                     let gs: Vec<GroupIndex> = staged.iter().map(|&i| groups[i]).collect();
@@ -538,16 +541,19 @@ impl Session {
                     {
                         rs[i] = r;
                     }
-                    // Where a store's time goes: claiming T1 slots and
-                    // describing, the copy (launch and wait), writing staged
-                    // groups into T1.
+                    // Where a store's time goes: claiming T1 slots (of
+                    // which `claim_slots` itself) and describing, the copy
+                    // (launch and wait), committing the claimed slots and
+                    // writing staged groups into T1.
                     tracing::debug!(
                         ticket,
                         n = items.len(),
                         in_place = items.len() - staged.len(),
                         queued_us,
                         claim_us = (t1 - t0).as_micros() as u64,
+                        slots_us,
                         copy_us = (t2 - t1).as_micros() as u64,
+                        commit_us,
                         write_us = t2.elapsed().as_micros() as u64,
                         "GPU store: chunk done"
                     );

@@ -239,6 +239,45 @@ impl Cuda {
         Ok((p.cast(), d))
     }
 
+    /// Pins `len` bytes of host memory the caller owns at `p` (page
+    /// aligned), portable and device-mapped: returns the device pointer.
+    pub fn register_pinned(&self, p: *mut u8, len: usize) -> Result<u64, String> {
+        self.bind()?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the caller owns [p, p + len), mapped, and keeps it until
+        // unregister_pinned.
+        let r = quietly(|| unsafe { sys::cuMemHostRegister_v2(p.cast(), len, flags) });
+        check(r, "cuMemHostRegister")?;
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: p was just registered with DEVICEMAP.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, p.cast(), 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: registered just above, used nowhere yet.
+            quietly(|| unsafe {
+                let _ = sys::cuMemHostUnregister(p.cast());
+            });
+            return Err(format!("cuMemHostGetDevicePointer: {r:?}"));
+        }
+        PINNED_BYTES.fetch_add(len as u64, Ordering::Relaxed);
+        if d != p as u64 {
+            PINNED_SAME_ADDRESS.store(false, Ordering::Release);
+        }
+        Ok(d)
+    }
+
+    /// # Safety
+    /// `p` was registered by `register_pinned` (with `len`) and nothing
+    /// uses it any more.
+    pub unsafe fn unregister_pinned(&self, p: *mut u8, len: usize) {
+        PINNED_BYTES.fetch_sub(len as u64, Ordering::Relaxed);
+        if self.bind().is_ok() {
+            // SAFETY: the caller's contract.
+            quietly(|| unsafe {
+                let _ = sys::cuMemHostUnregister(p.cast());
+            });
+        }
+    }
+
     /// # Safety
     /// `p` came from `alloc_pinned` of `len` bytes and nothing uses it any more.
     pub unsafe fn free_pinned(&self, p: *mut u8, len: usize) {

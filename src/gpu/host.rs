@@ -22,6 +22,19 @@ pub struct HostBuf {
     device: Option<u64>,
     /// What the allocator returned, where `ptr` had to be aligned up from it.
     base: *mut u8,
+    /// Who allocated it, so who frees it.
+    from: From,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum From {
+    /// `mmap`, `len` bytes at `ptr`.
+    Plain,
+    /// The driver (`cuMemHostAlloc`), `len + PAGE` bytes at `base`.
+    Driver,
+    /// `mmap` of `len + HUGE_PAGE` bytes at `base`, huge pages asked
+    /// for, `len` bytes at `ptr` registered with the driver.
+    Registered,
 }
 
 // SAFETY: HostBuf owns its mapping exclusively; shared access goes through
@@ -53,6 +66,7 @@ impl HostBuf {
                     len,
                     device: Some(d + skip as u64),
                     base,
+                    from: From::Driver,
                 })
             }
             _ => HostBuf::alloc_plain(len),
@@ -101,7 +115,58 @@ impl HostBuf {
             len,
             device: None,
             base: p.cast(),
+            from: From::Plain,
         })
+    }
+
+    /// `alloc` on transparent huge pages where the system gives them:
+    /// plain memory aligned to 2 MiB, advised huge, then pinned and mapped
+    /// by registering it with the driver. The GPU then reaches scattered
+    /// slots of it through far fewer page-table entries than through the
+    /// driver's own allocation. Falls back to `alloc` (which also serves
+    /// machines with no driver) where registering fails.
+    pub fn alloc_huge(len: usize) -> io::Result<HostBuf> {
+        let Some(c) = super::cuda::cuda() else {
+            return HostBuf::alloc(len);
+        };
+        if len < HUGE_PAGE {
+            return HostBuf::alloc(len);
+        }
+        let whole = len + HUGE_PAGE;
+        // SAFETY: a fresh anonymous private mapping, checked below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                whole,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return HostBuf::alloc(len);
+        }
+        let skip = (HUGE_PAGE - base as usize % HUGE_PAGE) % HUGE_PAGE;
+        // SAFETY: skip < HUGE_PAGE, so [p, p + len) lies in the mapping.
+        let p = unsafe { base.cast::<u8>().add(skip) };
+        // SAFETY: advice on the mapping just made; failure is harmless.
+        unsafe { libc::madvise(p.cast(), len, libc::MADV_HUGEPAGE) };
+        match c.register_pinned(p, len) {
+            Ok(d) => Ok(HostBuf {
+                ptr: NonNull::new(p).ok_or_else(|| io::Error::other("mmap returned null"))?,
+                len,
+                device: Some(d),
+                base: base.cast(),
+                from: From::Registered,
+            }),
+            Err(e) => {
+                tracing::warn!("huge-page T1 chunk not pinned ({e}): the driver allocates it");
+                // SAFETY: the mapping just made, used by nothing.
+                unsafe { libc::munmap(base, whole) };
+                HostBuf::alloc(len)
+            }
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -127,19 +192,52 @@ impl HostBuf {
     }
 }
 
+/// `n` values from `f`, in memory that asks for transparent huge pages
+/// before anything is written to it: for large tables read at scattered
+/// places (T1's per-slot records, its group map), where with 4 KiB pages
+/// nearly every access also misses the TLB.
+pub fn huge_vec<T>(n: usize, f: impl FnMut(usize) -> T) -> Vec<T> {
+    let mut v: Vec<T> = Vec::with_capacity(n);
+    let bytes = n * std::mem::size_of::<T>();
+    if bytes >= 2 * HUGE_PAGE {
+        // The whole huge pages inside the (untouched) capacity.
+        let start = (v.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+        let end = (v.as_ptr() as usize + bytes) / HUGE_PAGE * HUGE_PAGE;
+        if end > start {
+            // SAFETY: advice on pages of an allocation this function owns;
+            // it changes no contents, and failure is harmless (huge pages
+            // may be off).
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    v.extend((0..n).map(f));
+    v
+}
+
 impl Drop for HostBuf {
     fn drop(&mut self) {
-        if self.device.is_some() {
-            if let Some(c) = super::cuda::cuda() {
-                // SAFETY: pinned by alloc_pinned; the owner is gone.
-                unsafe { c.free_pinned(self.base, self.len + PAGE) };
+        match self.from {
+            From::Driver => {
+                if let Some(c) = super::cuda::cuda() {
+                    // SAFETY: pinned by alloc_pinned; the owner is gone.
+                    unsafe { c.free_pinned(self.base, self.len + PAGE) };
+                }
             }
-            return;
-        }
-        // SAFETY: ptr/len are exactly what mmap returned and nothing borrows
-        // them once the owner is dropped.
-        unsafe {
-            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+            From::Registered => {
+                if let Some(c) = super::cuda::cuda() {
+                    // SAFETY: registered by alloc_huge; the owner is gone.
+                    unsafe { c.unregister_pinned(self.ptr.as_ptr(), self.len) };
+                }
+                // SAFETY: the mapping alloc_huge made; nothing uses it now.
+                unsafe { libc::munmap(self.base.cast(), self.len + HUGE_PAGE) };
+            }
+            // SAFETY: ptr/len are exactly what mmap returned and nothing
+            // borrows them once the owner is dropped.
+            From::Plain => unsafe {
+                libc::munmap(self.ptr.as_ptr().cast(), self.len);
+            },
         }
     }
 }

@@ -19,4 +19,4 @@ pub mod cuda;
 pub mod engine;
 mod host;
 
-pub use host::HostBuf;
+pub use host::{HostBuf, huge_vec};
