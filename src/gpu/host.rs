@@ -198,22 +198,26 @@ impl HostBuf {
 /// nearly every access also misses the TLB.
 pub fn huge_vec<T>(n: usize, f: impl FnMut(usize) -> T) -> Vec<T> {
     let mut v: Vec<T> = Vec::with_capacity(n);
-    let bytes = n * std::mem::size_of::<T>();
-    if bytes >= 2 * HUGE_PAGE {
-        // The whole huge pages inside the (untouched) capacity.
-        let start = (v.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
-        let end = (v.as_ptr() as usize + bytes) / HUGE_PAGE * HUGE_PAGE;
-        if end > start {
-            // SAFETY: advice on pages of an allocation this function owns;
-            // it changes no contents, and failure is harmless (huge pages
-            // may be off).
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-            }
-        }
-    }
+    advise_huge(v.as_ptr().cast(), n * std::mem::size_of::<T>());
     v.extend((0..n).map(f));
     v
+}
+
+/// Asks for transparent huge pages over the whole huge pages inside
+/// `[p, p + bytes)`, memory of an allocation the caller owns. Advice only:
+/// it changes no contents, and failure is harmless (huge pages may be off).
+fn advise_huge(p: *const u8, bytes: usize) {
+    if bytes < 2 * HUGE_PAGE {
+        return;
+    }
+    let start = (p as usize).next_multiple_of(HUGE_PAGE);
+    let end = (p as usize + bytes) / HUGE_PAGE * HUGE_PAGE;
+    if end > start {
+        // SAFETY: advice on pages of the caller's allocation (see above).
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+        }
+    }
 }
 
 impl Drop for HostBuf {
