@@ -58,7 +58,9 @@ if [ "${DYING:-0}" = 1 ]; then
   }
 fi
 echo "== GPU checks: $([ $fail = 0 ] && echo all passed || echo SOME FAILED)"
-for m in k16 k4 kg; do timeout -k 2 20 $B umount /mnt/$m; done
+# An unmount flushes every dirty group of T1 to the backing first (the
+# stores above leave GiBs of them): give it minutes, not seconds.
+for m in k16 k4 kg; do timeout -k 2 300 $B umount /mnt/$m; done
 echo "== daemon log"; tail -n 30 /tmp/b16/kvfs.log
 # HF=1: the kvfs.hf demo (8b shape, 8k prompt) on 64- and 16-token blocks.
 if [ "${HF:-0}" = 1 ]; then
