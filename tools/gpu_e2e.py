@@ -181,6 +181,32 @@ def correctness(kv, gb, dev):
     kv.unregister(r2)
     print(f"correctness: one store of {m} groups ({m * gb / 2**20:.1f} MiB, several staging launches) from "
           "scattered GPU memory, restored bit-identical")
+    # A restore launched in parts on admission (the daemon pins and
+    # launches 256 groups at a time) whose last part is not in T1: the
+    # groups there were never written, so they restore as zeros, through
+    # the executor, after the parts already launched. Then the other way
+    # round: the first part not in T1, the rest T1-resident.
+    p = 256
+    if m >= 3 * p:
+        fresh = keys_of(kv.layout, p, start=kv.layout["groups"] - p)
+        for name, ks, want in (
+            ("last", keys[:3 * p] + fresh, [(0, 3 * p, False), (3 * p, 4 * p, True)]),
+            ("first", fresh + keys[:3 * p], [(0, p, True), (p, 4 * p, False)]),
+        ):
+            back = torch.full((4 * p * gb,), 0xAB, dtype=torch.uint8, device=dev)
+            r2 = kv.register_tensor(back)
+            kv.wait(kv.restore([k + (r2, i * gb) for i, k in enumerate(ks)], wait=False), timeout=WAIT_S)
+            torch.cuda.synchronize()
+            rows = back.view(4 * p, gb)
+            for a, b, zero in want:
+                if zero:
+                    assert int(rows[a:b].count_nonzero()) == 0, f"never-written groups ({name} part) restored non-zero"
+                else:
+                    assert torch.equal(rows[a:b], data.view(m, gb).flip(0)[a if name == "last" else a - p:(b if name == "last" else b - p)]), \
+                        f"T1-resident groups of a restore whose {name} part is not in T1 moved bytes"
+            kv.unregister(r2)
+        print(f"correctness: restores of {4 * p} groups whose last or first {p} were never written "
+              "(zeros) and the rest T1-resident, bit-identical")
 
 
 def timed(fn):

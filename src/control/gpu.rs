@@ -23,7 +23,9 @@ use crate::cascade::CascadeError;
 use crate::cascade::DevicePins;
 use crate::geometry::GroupIndex;
 use crate::gpu::cuda::Rows;
-use crate::gpu::engine::{Descriptor, Engine, Lane, PooledEvent, Runs, STORE_CHUNK, Store};
+use crate::gpu::engine::{
+    Descriptor, Engine, Lane, PartedRestore, PooledEvent, Runs, STORE_CHUNK, Store,
+};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -190,6 +192,59 @@ fn pieces<'a>(
     })
 }
 
+/// Groups a part of a restore pinned on admission holds at least
+/// (`KVFS_RESTORE_PART_GROUPS` overrides; 0 or more than the batch: one
+/// part): 256 groups of 16 KiB are ~75 µs of copy, longer than looking up,
+/// pinning and describing the next 256.
+const RESTORE_PART_GROUPS: usize = 256;
+/// Parts such a restore is launched in at most.
+const RESTORE_PARTS_MAX: usize = 8;
+
+/// The parts a restore of `n` groups pinned on admission is launched in.
+fn restore_parts(n: usize) -> usize {
+    static LEAST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let least = *LEAST.get_or_init(|| {
+        std::env::var("KVFS_RESTORE_PART_GROUPS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(RESTORE_PART_GROUPS)
+    });
+    if least == 0 || copy_mode() == CopyMode::Engines {
+        return 1;
+    }
+    (n / least).clamp(1, RESTORE_PARTS_MAX)
+}
+
+/// What `restore_in_parts` did.
+enum Parted {
+    /// Every part launched: the ticket's reply.
+    Done(Reply),
+    /// The first part is not all in T1 (nothing held, nothing launched).
+    NotInT1,
+    /// The first part's slots join into copy-engine runs (nothing held,
+    /// nothing launched): the whole batch goes to the copy engines.
+    Runs,
+    /// The first `done` entries launched; the rest not all in T1.
+    Rest(Held),
+}
+
+/// The parts of a restore launched already, and their pins.
+struct Held {
+    /// First field, so dropped first: its drop waits for the copies
+    /// before the pins go.
+    copy: PartedRestore,
+    done: usize,
+    pins: Vec<DevicePins>,
+}
+
+fn restore_failed(e: String) -> Rejection {
+    reject(
+        libc::EIO,
+        NO_ENTRY,
+        format!("cannot start the GPU restore: {e}"),
+    )
+}
+
 fn no_driver() -> Rejection {
     reject(libc::ENODEV, NO_ENTRY, "no CUDA driver")
 }
@@ -208,100 +263,228 @@ impl Session {
         let gpu = self.ctl.gpu.on(work.cuda_device());
         let n = work.len();
         let layout = self.ctl.cascade.layout();
-        let (gb, stride) = (layout.group_bytes(), layout.stride() as usize);
+        let gb = layout.group_bytes();
         // Strided entries: by the rows kernel, or in pieces (see Shape).
         let shape = Shape::of(&work, gb);
         let (per, unit) = (shape.per, shape.unit);
-        let fail = |e: String| {
-            reject(
-                libc::EIO,
-                NO_ENTRY,
-                format!("cannot start the GPU restore: {e}"),
-            )
-        };
         let checked = Instant::now();
         // Admission's checks of every entry (admit_io), before this call.
         let checks_us = (checked - admitted).as_micros() as u64;
+        let timing = (admitted, checks_us);
         // A batch all in T1 (and of at most PIN_ON_ADMISSION_MAX groups)
         // is pinned here, looked up once, needs no staging, and goes on the
         // fd's ordered lane. Only such batches use
         // the lane, and each is let go before the lane is: no copy on the
         // lane waits for a job.
         let groups: Vec<GroupIndex> = work.items.iter().map(|it| it.g).collect();
+        let parts = restore_parts(n);
+        if n <= PIN_ON_ADMISSION_MAX && parts > 1 {
+            match self.restore_in_parts(&gpu, &work, &groups, parts, shape, timing)? {
+                Parted::Done(reply) => return Ok(reply),
+                Parted::NotInT1 => return self.restore_later(gpu, work, groups, None, timing),
+                Parted::Rest(held) => {
+                    return self.restore_later(gpu, work, groups, Some(held), timing);
+                }
+                Parted::Runs => {}
+            }
+        }
         let pinned = match n <= PIN_ON_ADMISSION_MAX {
             true => self.ctl.cascade.try_pin_resident(&groups),
             false => None,
         };
-        if let Some((addrs, pins)) = pinned {
-            let resident_us = checked.elapsed().as_micros() as u64;
-            if let Some(runs) = self.engine_runs(&gpu, &work, &addrs, gb, shape.engine_unit()) {
-                let n_runs = runs.len();
-                let copy = gpu
-                    .copy_runs(runs, &mut self.lane(&gpu).lock())
-                    .map_err(fail)?;
-                let (ticket, reply) = self.gpu_ticket(copy.event());
-                tracing::debug!(
-                    ticket,
-                    n,
-                    runs = n_runs,
-                    admit_us = admitted.elapsed().as_micros() as u64,
-                    checks_us,
-                    resident_us,
-                    "GPU restore of pinned T1 groups on the copy engines"
-                );
-                self.release_after(&gpu, ticket, n, pins, move || copy.finish());
-                return Ok(reply);
-            }
-            // Described before it is enqueued: no flag to wait on.
-            let runs_us = checked.elapsed().as_micros() as u64 - resident_us;
-            let lane = self.lane(&gpu);
+        let Some((addrs, pins)) = pinned else {
+            return self.restore_later(gpu, work, groups, None, timing);
+        };
+        let resident_us = checked.elapsed().as_micros() as u64;
+        let items = &work.items;
+        if let Some(runs) = self.engine_runs(&gpu, &work, items, &addrs, gb, shape.engine_unit()) {
+            let n_runs = runs.len();
             let copy = gpu
-                .restore_now(
-                    n * per,
-                    unit,
-                    shape.kernel_rows(true),
-                    &mut lane.lock(),
-                    pieces(&work, &work.items, gb, shape.piece(), |i| addrs[i], true),
-                )
-                .map_err(fail)?;
-            let launched_us = checked.elapsed().as_micros() as u64;
+                .copy_runs(runs, &mut self.lane(&gpu).lock())
+                .map_err(restore_failed)?;
             let (ticket, reply) = self.gpu_ticket(copy.event());
-            // Where admission's time goes: checks, pins, the look at the
-            // copy engines' runs, descriptors and launch, the ticket.
             tracing::debug!(
                 ticket,
                 n,
+                runs = n_runs,
                 admit_us = admitted.elapsed().as_micros() as u64,
                 checks_us,
                 resident_us,
-                runs_us,
-                launch_us = launched_us - resident_us - runs_us,
-                "GPU restore of pinned T1 groups by the kernel"
+                "GPU restore of pinned T1 groups on the copy engines"
             );
             self.release_after(&gpu, ticket, n, pins, move || copy.finish());
             return Ok(reply);
         }
-        let resident_us = checked.elapsed().as_micros() as u64;
-        let mut copy = gpu
-            .restore(
+        // Described before it is enqueued: no flag to wait on.
+        let runs_us = checked.elapsed().as_micros() as u64 - resident_us;
+        let lane = self.lane(&gpu);
+        let copy = gpu
+            .restore_now(
                 n * per,
                 unit,
+                shape.kernel_rows(true),
+                &mut lane.lock(),
+                pieces(&work, items, gb, shape.piece(), |i| addrs[i], true),
+            )
+            .map_err(restore_failed)?;
+        let launched_us = checked.elapsed().as_micros() as u64;
+        let (ticket, reply) = self.gpu_ticket(copy.event());
+        // Where admission's time goes: checks, pins, the look at the
+        // copy engines' runs, descriptors and launch, the ticket.
+        tracing::debug!(
+            ticket,
+            n,
+            admit_us = admitted.elapsed().as_micros() as u64,
+            checks_us,
+            resident_us,
+            runs_us,
+            launch_us = launched_us - resident_us - runs_us,
+            "GPU restore of pinned T1 groups by the kernel"
+        );
+        self.release_after(&gpu, ticket, n, pins, move || copy.finish());
+        Ok(reply)
+    }
+
+    /// A restore of up to PIN_ON_ADMISSION_MAX groups pinned and launched
+    /// on the fd's lane a part at a time: each part's groups looked up and
+    /// pinned, described and launched before the next part's are looked
+    /// up, so the copy starts after a part's lookups, not the whole
+    /// batch's (one ticket at a time, those lookups were a third of a
+    /// ticket's time). A part not all in T1 hands the rest of the batch
+    /// to `restore_later`, whose copy waits for the parts launched.
+    fn restore_in_parts(
+        self: &Arc<Session>,
+        gpu: &Arc<Engine>,
+        work: &Batch,
+        groups: &[GroupIndex],
+        parts: usize,
+        shape: Shape,
+        (admitted, checks_us): (Instant, u64),
+    ) -> Result<Parted, Rejection> {
+        let cascade = &self.ctl.cascade;
+        let n = work.len();
+        let gb = cascade.layout().group_bytes();
+        let size = n.div_ceil(parts);
+        let Some((addrs, pins)) = cascade.try_pin_resident(&groups[..size]) else {
+            return Ok(Parted::NotInT1);
+        };
+        // Slots that happen to be contiguous go to the copy engines, the
+        // whole batch at once (judged by the first part's copies: auto
+        // judges by the first PROJECT_AFTER anyway).
+        let items = &work.items[..size];
+        if self
+            .engine_runs(gpu, work, items, &addrs, gb, shape.engine_unit())
+            .is_some()
+        {
+            return Ok(Parted::Runs);
+        }
+        let first_us = admitted.elapsed().as_micros() as u64;
+        // Declared before `copy`, so dropped after it: a failure below
+        // waits (copy's drop) for the parts launched before the pins go.
+        let mut held = vec![pins];
+        let lane = self.lane(gpu);
+        let mut lane = lane.lock();
+        let mut copy = gpu
+            .restore_parts(
+                n * shape.per,
+                shape.unit,
+                shape.kernel_rows(true),
+                &mut lane,
+            )
+            .map_err(restore_failed)?;
+        let mut next = Some(addrs);
+        let mut at = 0;
+        while at < n {
+            let end = (at + size).min(n);
+            let addrs = match next.take() {
+                Some(a) => a,
+                None => match cascade.try_pin_resident(&groups[at..end]) {
+                    Some((a, p)) => {
+                        held.push(p);
+                        a
+                    }
+                    // Not all in T1: the rest goes to `restore_later`.
+                    None => break,
+                },
+            };
+            let items = &work.items[at..end];
+            let descs = pieces(work, items, gb, shape.piece(), |i| addrs[i], true);
+            // SAFETY: every descriptor names a pinned, read-locked T1 slot
+            // (held until the copy is done: `release_after` or the rest's
+            // completion) and a checked range of a live CUDA region (the
+            // batch holds it).
+            unsafe { copy.launch(&mut lane, (end - at) * shape.per, descs) }
+                .map_err(restore_failed)?;
+            at = end;
+        }
+        drop(lane);
+        let launched = at;
+        if launched < n {
+            tracing::debug!(
+                n,
+                launched,
+                "GPU restore in parts: the rest is not all in T1"
+            );
+            return Ok(Parted::Rest(Held {
+                done: launched,
+                pins: held,
+                copy,
+            }));
+        }
+        let (ticket, reply) = self.gpu_ticket(copy.event());
+        tracing::debug!(
+            ticket,
+            n,
+            parts,
+            admit_us = admitted.elapsed().as_micros() as u64,
+            checks_us,
+            first_us,
+            "GPU restore of pinned T1 groups by the kernel, in parts"
+        );
+        self.release_after(gpu, ticket, n, held, move || copy.finish());
+        Ok(Parted::Done(reply))
+    }
+
+    /// A restore resolved by an executor job: T1 hits pinned, misses read
+    /// from the backing into staging, then described; its copy, enqueued
+    /// now on a stream of its own behind a flag the job sets, waits for
+    /// `held`'s parts (the batch's first `done` entries, launched
+    /// already) too, so the ticket's event covers the whole batch.
+    fn restore_later(
+        self: &Arc<Session>,
+        gpu: Arc<Engine>,
+        work: Batch,
+        groups: Vec<GroupIndex>,
+        held: Option<Held>,
+        (admitted, checks_us): (Instant, u64),
+    ) -> Result<Reply, Rejection> {
+        let layout = self.ctl.cascade.layout();
+        let (gb, stride) = (layout.group_bytes(), layout.stride() as usize);
+        let shape = Shape::of(&work, gb);
+        let skip = held.as_ref().map_or(0, |h| h.done);
+        let n = work.len() - skip;
+        let groups = groups[skip..].to_vec();
+        let mut copy = gpu
+            .restore(
+                n * shape.per,
+                shape.unit,
                 stride,
                 n,
                 shape.kernel_rows(true),
                 None,
                 None,
+                held.as_ref().map(|h| &***h.copy.event()),
             )
-            .map_err(fail)?;
+            .map_err(restore_failed)?;
         let (ticket, reply) = self.gpu_ticket(copy.event());
         let s = self.clone();
         let started = Instant::now();
         tracing::debug!(
             ticket,
             n,
+            skip,
             admit_us = (started - admitted).as_micros() as u64,
             checks_us,
-            resident_us,
             "GPU restore enqueued"
         );
         // The copy waits on its flag, and the device may hold other copies
@@ -348,7 +531,8 @@ impl Session {
                 let misses = misses.len();
                 let pin_us = job_started.elapsed().as_micros() as u64;
                 let ok = |i: usize| if results[i].is_ok() { src[i] } else { 0 };
-                copy.describe(pieces(&work, &work.items, gb, shape.piece(), ok, true));
+                let items = &work.items[skip..];
+                copy.describe(pieces(&work, items, gb, shape.piece(), ok, true));
                 tracing::debug!(
                     ticket,
                     misses,
@@ -360,8 +544,19 @@ impl Session {
                 copy.start();
                 let done = s.clone();
                 gpu.then(Box::new(move || {
+                    // This copy waited for the parts launched before it.
                     let r = copy.finish();
                     tracing::debug!(ticket, ok = r.is_ok(), "GPU restore: copy done");
+                    let mut all: Vec<Result<(), CascadeError>> =
+                        (0..skip).map(|_| Ok(())).collect();
+                    if let Some(h) = held {
+                        let parts = h.copy.finish();
+                        if let Err(e) = &parts {
+                            tracing::error!("GPU restore of ticket {ticket} failed: {e}");
+                            all = copy_results(skip, &parts);
+                        }
+                        drop(h.pins);
+                    }
                     if let Err(e) = r {
                         tracing::error!("GPU restore of ticket {ticket} failed: {e}");
                         for r in results.iter_mut() {
@@ -369,7 +564,8 @@ impl Session {
                         }
                     }
                     drop(pins);
-                    done.complete(Command::Restore, ticket, started, results);
+                    all.extend(results);
+                    done.complete(Command::Restore, ticket, started, all);
                 }));
             }),
         );
@@ -406,7 +602,7 @@ impl Session {
         gpu: &Engine,
         ticket: u64,
         n: usize,
-        pins: DevicePins,
+        pins: impl Send + 'static,
         finish: impl FnOnce() -> Result<(), String> + Send + 'static,
     ) {
         let s = self.clone();
@@ -425,6 +621,7 @@ impl Session {
         &self,
         gpu: &Engine,
         work: &Batch,
+        items: &[Item],
         addrs: &[u64],
         gb: u64,
         unit: u64,
@@ -436,13 +633,13 @@ impl Session {
         // Auto: as soon as the runs are too many for ENGINE_RUN_BYTES on
         // average, the kernel copies (rows that do not join stop this early).
         let most = match mode {
-            CopyMode::Auto => (work.len() * gb as usize).div_ceil(ENGINE_RUN_BYTES),
+            CopyMode::Auto => (items.len() * gb as usize).div_ceil(ENGINE_RUN_BYTES),
             _ => usize::MAX,
         };
         // Every copy is `unit` bytes.
-        let total = work.len() * (gb / unit) as usize;
+        let total = items.len() * (gb / unit) as usize;
         let mut runs = Runs::default();
-        for p in pieces(work, &work.items, gb, Some(unit), |i| addrs[i], true) {
+        for p in pieces(work, items, gb, Some(unit), |i| addrs[i], true) {
             runs.push(p.src, p.dst, unit as usize);
             if p.dst == 0 || runs.len() > most {
                 return None;

@@ -610,6 +610,15 @@ impl Cuda {
         check(r, "cuEventRecord")
     }
 
+    /// Makes `stream` wait, from here on, for the work enqueued before
+    /// `event`'s last record (on whatever stream recorded it).
+    pub fn stream_wait_event(&self, stream: &Stream, event: &IpcEvent) -> Result<(), String> {
+        self.bind()?;
+        // SAFETY: live handles of this context.
+        let r = unsafe { sys::cuStreamWaitEvent(stream.0, event.ev, 0) };
+        check(r, "cuStreamWaitEvent")
+    }
+
     /// Whether the driver has cuMemcpyBatchAsync (CUDA 13 signature):
     /// many copies in one call, run by the copy engines.
     pub fn has_batch_copy(&self) -> bool {

@@ -382,6 +382,7 @@ impl Engine {
         rows: Option<Rows>,
         lane: Option<&mut LaneGuard<'_>>,
         descs: Option<&mut dyn Iterator<Item = Descriptor>>,
+        after: Option<&IpcEvent>,
     ) -> Result<Restore, String> {
         let c = self.pool.driver()?;
         let pool = &self.pool;
@@ -432,6 +433,9 @@ impl Engine {
             },
             (None, None) => unreachable!("a stream was taken above"),
         };
+        if let Some(after) = after {
+            c.stream_wait_event(stream, after)?;
+        }
         // SAFETY: the table holds FLAG_BYTES + DESCRIPTOR_BYTES × n bytes
         // (take_table), device-mapped; it lives in `r` until the event
         // completes (finish, or drop); every descriptor is written before
@@ -475,7 +479,61 @@ impl Engine {
         mut descs: impl Iterator<Item = Descriptor>,
     ) -> Result<Restore, String> {
         let stride = bytes as usize;
-        self.restore(n, bytes, stride, 0, rows, Some(lane), Some(&mut descs))
+        self.restore(
+            n,
+            bytes,
+            stride,
+            0,
+            rows,
+            Some(lane),
+            Some(&mut descs),
+            None,
+        )
+    }
+
+    /// A restore of `n` copies of `bytes` each (known in parts: pinned
+    /// T1 slots, pinned a part at a time) launched on `lane` a part at a
+    /// time (`PartedRestore::launch`), each part as soon as its
+    /// descriptors are written, so the copy starts after the first part's
+    /// lookups, not after all of them. No flag: nothing on the lane waits
+    /// on the host.
+    pub fn restore_parts(
+        &self,
+        n: usize,
+        bytes: u64,
+        rows: Option<Rows>,
+        lane: &mut LaneGuard<'_>,
+    ) -> Result<PartedRestore, String> {
+        let c = self.pool.driver()?;
+        let pool = &self.pool;
+        let table = pool.take_table(n)?;
+        let table_dev = table
+            .device_ptr()
+            .ok_or("the descriptor table is not device-mapped")?;
+        let event = Arc::new(pool.take_event()?);
+        if lane.0.is_none() {
+            *lane.0 = Some(pool.take_stream()?);
+        }
+        let flag = table.as_ptr().cast::<u32>();
+        Ok(PartedRestore {
+            inner: Restore {
+                ready: ReadyFlag::unarmed(flag),
+                c,
+                n,
+                stride: bytes as usize,
+                table: Some(table),
+                staging: None,
+                staging_slots: 0,
+                own_stream: None,
+                event,
+                pool: pool.clone(),
+                finished: false,
+            },
+            table_dev,
+            bytes,
+            rows,
+            launched: 0,
+        })
     }
 
     /// Takes what a store of `n` groups of `bytes` each needs, each moved
@@ -528,7 +586,18 @@ impl Engine {
 /// Writes `n` descriptors into `table` after its flag: those of `descs`
 /// in order, any left over skipped (src 0).
 fn write_descriptors(table: &mut HostBuf, n: usize, descs: impl Iterator<Item = Descriptor>) {
-    let out = &mut table.as_mut_slice()[FLAG_BYTES..FLAG_BYTES + DESCRIPTOR_BYTES * n];
+    write_descriptors_at(table, 0, n, descs)
+}
+
+/// `write_descriptors` into places `at..at + n` of the table.
+fn write_descriptors_at(
+    table: &mut HostBuf,
+    at: usize,
+    n: usize,
+    descs: impl Iterator<Item = Descriptor>,
+) {
+    let first = FLAG_BYTES + DESCRIPTOR_BYTES * at;
+    let out = &mut table.as_mut_slice()[first..first + DESCRIPTOR_BYTES * n];
     let mut slots = out.chunks_exact_mut(DESCRIPTOR_BYTES);
     for (d, Descriptor { src, dst }) in slots.by_ref().zip(descs) {
         d[..8].copy_from_slice(&src.to_le_bytes());
@@ -636,6 +705,78 @@ impl Engine {
             )
         }?;
         Ok(DirectRestore { c, event })
+    }
+}
+
+/// A restore launched a part at a time (see `Engine::restore_parts`).
+pub struct PartedRestore {
+    inner: Restore,
+    table_dev: u64,
+    bytes: u64,
+    rows: Option<Rows>,
+    /// Descriptors launched so far (the next part's first place).
+    launched: usize,
+}
+
+impl PartedRestore {
+    /// The ticket's event, recorded after each part: after `finish`'s
+    /// wait, or a stream's wait on it once the last part is launched,
+    /// every part launched is done.
+    pub fn event(&self) -> &Arc<PooledEvent> {
+        &self.inner.event
+    }
+
+    /// Copies launched so far.
+    pub fn launched(&self) -> usize {
+        self.launched
+    }
+
+    /// Writes the next `n` descriptors (those of `descs`, any left over
+    /// skipped) and launches them on `lane`, the lane `restore_parts` was
+    /// given.
+    ///
+    /// # Safety
+    /// Every descriptor names `bytes` readable device-visible bytes at
+    /// `src` and writable ones at `dst` (laid out as `rows` on the
+    /// destination side), which the caller keeps valid until `finish`
+    /// returns (or a drop, which waits for the copies).
+    pub unsafe fn launch(
+        &mut self,
+        lane: &mut LaneGuard<'_>,
+        n: usize,
+        descs: impl Iterator<Item = Descriptor>,
+    ) -> Result<(), String> {
+        let at = self.launched;
+        assert!(
+            at + n <= self.inner.n,
+            "parts of at most the n copies taken"
+        );
+        let table = self.inner.table.as_mut().expect("until finished");
+        write_descriptors_at(table, at, n, descs);
+        self.launched += n;
+        let stream = lane
+            .0
+            .as_ref()
+            .expect("restore_parts gave the lane a stream");
+        // SAFETY: places at..at + n of the table (live in `inner` until
+        // the event completes) were written above; the copies are the
+        // caller's contract.
+        unsafe {
+            self.inner.c.enqueue_gather(
+                stream,
+                None,
+                self.table_dev + (FLAG_BYTES + DESCRIPTOR_BYTES * at) as u64,
+                n as u32,
+                self.bytes,
+                self.rows,
+                &self.inner.event,
+            )
+        }
+    }
+
+    /// Waits for every part launched and gives the resources back.
+    pub fn finish(self) -> Result<(), String> {
+        self.inner.finish()
     }
 }
 
