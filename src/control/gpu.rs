@@ -192,10 +192,10 @@ fn pieces<'a>(
     })
 }
 
-/// Groups a part of a restore pinned on admission holds at least
-/// (`KVFS_RESTORE_PART_GROUPS` overrides; 0 or more than the batch: one
-/// part): 256 groups of 16 KiB are ~75 µs of copy, longer than looking up,
-/// pinning and describing the next 256.
+/// Groups a part of a restore pinned on admission holds at least, where
+/// `KVFS_RESTORE_PART_GROUPS` turns parts on (`on`, `1`, or a size; off
+/// by default until measured on a GPU): 256 groups of 16 KiB are ~75 µs
+/// of copy, longer than looking up, pinning and describing the next 256.
 const RESTORE_PART_GROUPS: usize = 256;
 /// Parts such a restore is launched in at most.
 const RESTORE_PARTS_MAX: usize = 8;
@@ -203,12 +203,13 @@ const RESTORE_PARTS_MAX: usize = 8;
 /// The parts a restore of `n` groups pinned on admission is launched in.
 fn restore_parts(n: usize) -> usize {
     static LEAST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let least = *LEAST.get_or_init(|| {
-        std::env::var("KVFS_RESTORE_PART_GROUPS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(RESTORE_PART_GROUPS)
-    });
+    let least = *LEAST.get_or_init(
+        || match std::env::var("KVFS_RESTORE_PART_GROUPS").as_deref() {
+            Ok("on") | Ok("1") => RESTORE_PART_GROUPS,
+            Ok(v) => v.parse().unwrap_or(0),
+            Err(_) => 0,
+        },
+    );
     if least == 0 || copy_mode() == CopyMode::Engines {
         return 1;
     }
@@ -742,9 +743,10 @@ impl Session {
     }
 }
 
-/// Groups a part of a GPU store's chunk holds at least
-/// (`KVFS_STORE_PART_GROUPS` overrides): below this, the claims, copy and
-/// commit of a part cost less than a thread's start and a launch.
+/// Groups a part of a GPU store's chunk holds at least, where
+/// `KVFS_STORE_PART_GROUPS` turns parts on (off by default until measured
+/// on a GPU): below this, the claims, copy and commit of a part cost less
+/// than a thread's start and a launch.
 const STORE_PART_GROUPS: usize = 1024;
 /// Parts a GPU store's chunk is split into at most.
 const STORE_PARTS_MAX: usize = 4;
@@ -755,12 +757,19 @@ const STORE_PARTS_MAX: usize = 4;
 /// on several threads put several cores on it, and only the claims' map
 /// and policy updates take turns on the cascade's state lock.
 fn store_parts(per_chunk: usize) -> usize {
-    let least = std::env::var("KVFS_STORE_PART_GROUPS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&v| v > 0)
-        .unwrap_or(STORE_PART_GROUPS);
-    (per_chunk / least).clamp(1, STORE_PARTS_MAX)
+    static LEAST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    // Unset or 0: one part (the default). `1` or `on`: STORE_PART_GROUPS.
+    let least = *LEAST.get_or_init(
+        || match std::env::var("KVFS_STORE_PART_GROUPS").as_deref() {
+            Ok("on") | Ok("1") => STORE_PART_GROUPS,
+            Ok(v) => v.parse().unwrap_or(0),
+            Err(_) => 0,
+        },
+    );
+    match least {
+        0 => 1,
+        least => (per_chunk / least).clamp(1, STORE_PARTS_MAX),
+    }
 }
 
 /// What every part of one GPU store shares.
