@@ -23,9 +23,7 @@ use crate::cascade::CascadeError;
 use crate::cascade::DevicePins;
 use crate::geometry::GroupIndex;
 use crate::gpu::cuda::Rows;
-use crate::gpu::engine::{
-    Descriptor, Engine, Lane, PartedRestore, PooledEvent, Runs, STORE_CHUNK, Store,
-};
+use crate::gpu::engine::{Descriptor, Engine, Lane, PartedRestore, PooledEvent, Runs};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -92,16 +90,16 @@ fn rows_kernel() -> bool {
 /// mix of shapes, as pieces of `unit` bytes, the largest size dividing
 /// every entry's row (a contiguous entry is one row of `gb`).
 #[derive(Clone, Copy)]
-struct Shape {
+pub(super) struct Shape {
     /// Copies a group (`gb / unit`).
     per: usize,
-    unit: u64,
+    pub(super) unit: u64,
     /// Every entry's (row, pitch), for the rows kernel (per 1).
     rows: Option<(u64, u64)>,
 }
 
 impl Shape {
-    fn of(work: &Batch, gb: u64) -> Shape {
+    pub(super) fn of(work: &Batch, gb: u64) -> Shape {
         fn gcd(a: u64, b: u64) -> u64 {
             if b == 0 { a } else { gcd(b, a % b) }
         }
@@ -133,12 +131,12 @@ impl Shape {
 
     /// What `pieces` makes: None (a copy a group, from the entry's
     /// offset) for the rows kernel, else pieces of `unit`.
-    fn piece(&self) -> Option<u64> {
+    pub(super) fn piece(&self) -> Option<u64> {
         self.rows.is_none().then_some(self.unit)
     }
 
     /// The rows kernel's shape (rows on the destination for a restore).
-    fn kernel_rows(&self, restore: bool) -> Option<Rows> {
+    pub(super) fn kernel_rows(&self, restore: bool) -> Option<Rows> {
         self.rows.map(|(row, pitch)| Rows {
             row,
             pitch,
@@ -156,7 +154,7 @@ impl Shape {
 /// entry, row by row; None: one a group): between `slot(i)`, entry i's contiguous slot (T1 or staging; 0
 /// skips the entry), and its rows in the region; from the slot with
 /// `to_region`, into it otherwise (a store).
-fn pieces<'a>(
+pub(super) fn pieces<'a>(
     work: &'a Batch,
     items: &'a [Item],
     gb: u64,
@@ -246,7 +244,7 @@ fn restore_failed(e: String) -> Rejection {
     )
 }
 
-fn no_driver() -> Rejection {
+pub(super) fn no_driver() -> Rejection {
     reject(libc::ENODEV, NO_ENTRY, "no CUDA driver")
 }
 
@@ -655,308 +653,11 @@ impl Session {
         }
         Some(runs)
     }
-
-    /// A STORE from CUDA regions, at most a chunk of the engine's staging
-    /// per launch: straight into claimed T1 slots where it can, else into
-    /// staging, whose groups are then written into T1 (write-back). A
-    /// chunk of many small groups is split into parts (see `store_parts`)
-    /// that claim, copy and commit side by side, each with its own staging,
-    /// table and stream.
-    pub(super) fn submit_gpu_store(self: &Arc<Session>, work: Batch) -> Result<Reply, Rejection> {
-        crate::gpu::cuda::cuda().ok_or_else(no_driver)?;
-        let layout = self.ctl.cascade.layout();
-        let (gb, stride) = (layout.group_bytes(), layout.stride() as usize);
-        let shape = Shape::of(&work, gb);
-        let engine = self.ctl.gpu.on(work.cuda_device());
-        let per_chunk = (STORE_CHUNK / stride).clamp(1, work.len().max(1));
-        let parts = store_parts(per_chunk);
-        let per_part = per_chunk.div_ceil(parts);
-        let mut copies = (0..parts)
-            .map(|_| engine.store(per_part, gb, stride, shape.unit, shape.kernel_rows(false)))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| {
-                reject(
-                    libc::EIO,
-                    NO_ENTRY,
-                    format!("cannot start the GPU store: {e}"),
-                )
-            })?;
-        let ticket = self.new_ticket();
-        let s = self.clone();
-        let started = Instant::now();
-        tracing::debug!(
-            ticket,
-            n = work.len(),
-            per_chunk,
-            parts,
-            "GPU store submitted"
-        );
-        self.ctl.exec.submit_ticket(
-            self,
-            ticket,
-            Box::new(move || {
-                let mut results: Vec<Result<(), CascadeError>> = Vec::with_capacity(work.len());
-                let queued_us = started.elapsed().as_micros() as u64;
-                let part = StorePart {
-                    s: &s,
-                    work: &work,
-                    gb,
-                    shape,
-                    ticket,
-                    queued_us,
-                };
-                for items in work.items.chunks(per_part * parts) {
-                    // A batch naming a group twice goes through staging, in
-                    // order: its parts run one after another.
-                    let mut sorted: Vec<u64> = items.iter().map(|it| it.g.0).collect();
-                    sorted.sort_unstable();
-                    let distinct = sorted.windows(2).all(|w| w[0] != w[1]);
-                    let split: Vec<&[Item]> = items.chunks(per_part).collect();
-                    if !distinct || split.len() == 1 {
-                        for (items, copy) in split.into_iter().zip(copies.iter_mut()) {
-                            results.extend(part.run(items, copy, None));
-                        }
-                        continue;
-                    }
-                    // Distinct groups: the parts run on threads of their
-                    // own (this one runs the first), results kept in order.
-                    let part = &part;
-                    let mut jobs = split.into_iter().zip(copies.iter_mut());
-                    let (first, first_copy) = jobs.next().expect("split.len() > 1");
-                    std::thread::scope(|sc| {
-                        let others: Vec<_> = jobs
-                            .map(|(items, copy)| {
-                                sc.spawn(move || part.run(items, copy, Some(true)))
-                            })
-                            .collect();
-                        results.extend(part.run(first, first_copy, Some(true)));
-                        for h in others {
-                            results.extend(h.join().expect("a GPU store part panicked"));
-                        }
-                    });
-                }
-                drop(copies);
-                s.complete(Command::Store, ticket, started, results);
-            }),
-        );
-        Ok(Reply::ok(Command::Store, ticket))
-    }
-}
-
-/// Groups a part of a GPU store's chunk holds at least, where
-/// `KVFS_STORE_PART_GROUPS` turns parts on (off by default until measured
-/// on a GPU): below this, the claims, copy and commit of a part cost less
-/// than a thread's start and a launch.
-const STORE_PART_GROUPS: usize = 1024;
-/// Parts a GPU store's chunk is split into at most.
-const STORE_PARTS_MAX: usize = 4;
-
-/// The parts a chunk of `per_chunk` groups is stored in: a ticket's time
-/// goes mostly to per-group work on the host (claiming 4096 T1 slots,
-/// their descriptors, committing them), against a copy of ~0.3 ms; parts
-/// on several threads put several cores on it, and only the claims' map
-/// and policy updates take turns on the cascade's state lock.
-fn store_parts(per_chunk: usize) -> usize {
-    static LEAST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    // Unset or 0: one part (the default). `1` or `on`: STORE_PART_GROUPS.
-    let least = *LEAST.get_or_init(
-        || match std::env::var("KVFS_STORE_PART_GROUPS").as_deref() {
-            Ok("on") | Ok("1") => STORE_PART_GROUPS,
-            Ok(v) => v.parse().unwrap_or(0),
-            Err(_) => 0,
-        },
-    );
-    match least {
-        0 => 1,
-        least => (per_chunk / least).clamp(1, STORE_PARTS_MAX),
-    }
-}
-
-/// What every part of one GPU store shares.
-struct StorePart<'a> {
-    s: &'a Arc<Session>,
-    work: &'a Batch,
-    gb: u64,
-    shape: Shape,
-    ticket: u64,
-    queued_us: u64,
-}
-
-impl StorePart<'_> {
-    /// Stores `items` (at most `copy.chunk()`) through `copy`: claims T1
-    /// slots for them (where their groups are `distinct`: Some(true) known,
-    /// None to find out), copies, commits, writes what landed in staging
-    /// into T1 and tells the mount of the change. A result an entry.
-    fn run(
-        &self,
-        items: &[Item],
-        copy: &mut Store,
-        distinct: Option<bool>,
-    ) -> Vec<Result<(), CascadeError>> {
-        let (s, work, gb, shape, ticket) = (self.s, self.work, self.gb, self.shape, self.ticket);
-        let cascade = &s.ctl.cascade;
-        let t0 = Instant::now();
-        let groups: Vec<GroupIndex> = items.iter().map(|it| it.g).collect();
-        let distinct = distinct.unwrap_or_else(|| {
-            let mut sorted: Vec<u64> = groups.iter().map(|g| g.0).collect();
-            sorted.sort_unstable();
-            sorted.windows(2).all(|w| w[0] != w[1])
-        });
-        let ts = Instant::now();
-        let slots = distinct.then(|| cascade.claim_slots(&groups, true));
-        let slots_us = ts.elapsed().as_micros() as u64;
-        let direct: Vec<Option<u64>> = (0..items.len())
-            .map(|i| slots.as_ref().and_then(|w| w.device_addr(i)))
-            .collect();
-        // Admission made every region of a CUDA batch a CUDA
-        // region and checked offset + group_bytes inside it.
-        let at = |i: usize| direct[i].unwrap_or(copy.staging_addr(i));
-        let descs: Vec<Descriptor> = pieces(work, items, gb, shape.piece(), at, false).collect();
-        let t1 = Instant::now();
-        // SAFETY: every descriptor names a checked range of a
-        // live CUDA region (the batch holds it) and either a
-        // staging slot or a T1 slot write-locked in `slots`
-        // until after the launch returns.
-        if let Err(e) = unsafe { copy.launch(&descs) } {
-            // Dropping `slots` gives back the claimed slots.
-            tracing::error!("GPU store of ticket {ticket} failed: {e}");
-            return items
-                .iter()
-                .map(|_| Err(CascadeError::RegionFault(format!("GPU copy failed: {e}"))))
-                .collect();
-        }
-        let t2 = Instant::now();
-        if let Some(w) = slots {
-            w.commit();
-        }
-        let commit_us = t2.elapsed().as_micros() as u64;
-        let staged: Vec<usize> = (0..items.len()).filter(|&i| direct[i].is_none()).collect();
-        let gs: Vec<GroupIndex> = staged.iter().map(|&i| groups[i]).collect();
-        let bytes: Vec<&[u8]> = staged.iter().map(|&i| copy.staged(i)).collect();
-        let mut rs: Vec<Result<(), CascadeError>> = (0..items.len()).map(|_| Ok(())).collect();
-        for (&i, r) in staged
-            .iter()
-            .zip(write_staged(cascade, &gs, &bytes, distinct))
-        {
-            rs[i] = r;
-        }
-        // Where a part's time goes: claiming T1 slots (of which
-        // `claim_slots` itself) and describing, the copy (launch and
-        // wait), committing the claimed slots, and (write_us, from the
-        // copy's end) committing and writing staged groups into T1.
-        tracing::debug!(
-            ticket,
-            n = items.len(),
-            in_place = items.len() - staged.len(),
-            queued_us = self.queued_us,
-            claim_us = (t1 - t0).as_micros() as u64,
-            slots_us,
-            copy_us = (t2 - t1).as_micros() as u64,
-            commit_us,
-            write_us = t2.elapsed().as_micros() as u64,
-            "GPU store: part done"
-        );
-        s.changed(&groups, &rs);
-        rs
-    }
-}
-
-/// Staged bytes a GPU store writes into T1 on threads of its own, each
-/// part at least this much: the host copy (and checksum) of a 16 MiB
-/// chunk takes about four times its PCIe copy on one thread.
-const PARALLEL_WRITE_BYTES: usize = 4 << 20;
-/// Threads a store chunk's staged groups are written by, at most.
-const WRITE_THREADS: usize = 4;
-
-/// Writes staged groups `gs` (bytes in `bytes`) into T1, in parts on
-/// several threads where the groups are `distinct` and many bytes; a
-/// batch naming a group twice is written in order on this thread.
-fn write_staged(
-    cascade: &crate::cascade::Cascade,
-    gs: &[GroupIndex],
-    bytes: &[&[u8]],
-    distinct: bool,
-) -> Vec<Result<(), CascadeError>> {
-    let total: usize = bytes.iter().map(|b| b.len()).sum();
-    let parts = (total / PARALLEL_WRITE_BYTES).clamp(1, WRITE_THREADS);
-    let write = |gs: &[GroupIndex], bytes: &[&[u8]]| {
-        cascade.write_groups(gs, |k, dst| {
-            dst.copy_from_slice(bytes[k]);
-            Ok(())
-        })
-    };
-    if !distinct || parts == 1 {
-        return write(gs, bytes);
-    }
-    let per = gs.len().div_ceil(parts);
-    std::thread::scope(|sc| {
-        let handles: Vec<_> = gs
-            .chunks(per)
-            .zip(bytes.chunks(per))
-            .map(|(g, b)| sc.spawn(move || write(g, b)))
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("a staged write panicked"))
-            .collect()
-    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cascade::{Cascade, CascadeConfig, MetaTable};
-    use crate::geometry::{Dtype, GroupLayout};
-    use crate::tier::MemTier;
-
-    /// Staged groups written in parts on several threads land whole, each
-    /// where it belongs, with a result per group in order; a batch naming
-    /// a group twice is written in order (the later bytes win).
-    #[test]
-    fn staged_writes_in_parallel_land_in_order() {
-        // 4 layers × 32 blocks × 2 heads × {K,V} = 512 groups of 32 KiB.
-        let layout = GroupLayout::new(4, 32, 2, 64, 256, Dtype::Fp16).unwrap();
-        let gb = layout.group_bytes() as usize;
-        let slots = 300;
-        let c = Cascade::new(
-            layout,
-            Box::new(MemTier::new(layout)),
-            MetaTable::anonymous(layout.group_count()).unwrap(),
-            CascadeConfig {
-                t1_bytes: slots * layout.stride(),
-                ..CascadeConfig::default()
-            },
-        )
-        .unwrap();
-        // More groups than T1 holds: writes evict as they go.
-        let gs: Vec<GroupIndex> = (0..512).map(GroupIndex).collect();
-        let data: Vec<Vec<u8>> = (0..512)
-            .map(|i| (0..gb).map(|j| (i * 7 + j) as u8).collect())
-            .collect();
-        let bytes: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
-        assert!(
-            gb * 512 / PARALLEL_WRITE_BYTES >= WRITE_THREADS,
-            "several parts"
-        );
-        let rs = write_staged(&c, &gs, &bytes, true);
-        assert_eq!(rs.len(), 512);
-        assert!(rs.iter().all(|r| r.is_ok()));
-        let mut out = vec![0u8; gb];
-        for (i, g) in gs.iter().enumerate() {
-            c.read_groups(&mut [(*g, &mut out[..])])[0]
-                .as_ref()
-                .unwrap();
-            assert_eq!(out, data[i], "group {i}");
-        }
-        // A group named twice: in order, one thread.
-        let twice = [GroupIndex(3), GroupIndex(3)];
-        let rs = write_staged(&c, &twice, &[&data[10], &data[11]], false);
-        assert!(rs.iter().all(|r| r.is_ok()));
-        c.read_groups(&mut [(GroupIndex(3), &mut out[..])])[0]
-            .as_ref()
-            .unwrap();
-        assert_eq!(out, data[11]);
-    }
 
     /// `pieces` makes, entry by entry and row by row, the copies a plain
     /// nested loop makes: contiguous entries, rows, skipped entries (slot

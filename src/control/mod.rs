@@ -19,6 +19,7 @@
 mod admit;
 mod exec;
 mod gpu;
+mod gpu_store;
 mod guard;
 mod host;
 mod region;
