@@ -198,16 +198,21 @@ const RESTORE_PART_GROUPS: usize = 256;
 /// Parts such a restore is launched in at most.
 const RESTORE_PARTS_MAX: usize = 8;
 
+/// The least groups a part holds as environment variable `var` sets it:
+/// unset, 0 or not a number, 0 (parts off, the default); `on` or `1`,
+/// `on_groups`; else the number given.
+pub(super) fn part_groups(var: &str, on_groups: usize) -> usize {
+    match std::env::var(var).as_deref() {
+        Ok("on") | Ok("1") => on_groups,
+        Ok(v) => v.parse().unwrap_or(0),
+        Err(_) => 0,
+    }
+}
+
 /// The parts a restore of `n` groups pinned on admission is launched in.
 fn restore_parts(n: usize) -> usize {
     static LEAST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let least = *LEAST.get_or_init(
-        || match std::env::var("KVFS_RESTORE_PART_GROUPS").as_deref() {
-            Ok("on") | Ok("1") => RESTORE_PART_GROUPS,
-            Ok(v) => v.parse().unwrap_or(0),
-            Err(_) => 0,
-        },
-    );
+    let least = *LEAST.get_or_init(|| part_groups("KVFS_RESTORE_PART_GROUPS", RESTORE_PART_GROUPS));
     if least == 0 || copy_mode() == CopyMode::Engines {
         return 1;
     }

@@ -6,7 +6,7 @@
 //! land in staging and are written into T1 after.
 
 use super::admit::{Batch, Item};
-use super::gpu::{Shape, no_driver, pieces};
+use super::gpu::{Shape, no_driver, part_groups, pieces};
 use super::session::Session;
 use super::wire::{Command, NO_ENTRY, Reply};
 use super::{Rejection, reject};
@@ -119,14 +119,7 @@ const STORE_PARTS_MAX: usize = 4;
 /// and policy updates take turns on the cascade's state lock.
 fn store_parts(per_chunk: usize) -> usize {
     static LEAST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    // Unset or 0: one part (the default). `1` or `on`: STORE_PART_GROUPS.
-    let least = *LEAST.get_or_init(
-        || match std::env::var("KVFS_STORE_PART_GROUPS").as_deref() {
-            Ok("on") | Ok("1") => STORE_PART_GROUPS,
-            Ok(v) => v.parse().unwrap_or(0),
-            Err(_) => 0,
-        },
-    );
+    let least = *LEAST.get_or_init(|| part_groups("KVFS_STORE_PART_GROUPS", STORE_PART_GROUPS));
     match least {
         0 => 1,
         least => (per_chunk / least).clamp(1, STORE_PARTS_MAX),
