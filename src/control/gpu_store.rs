@@ -74,8 +74,12 @@ impl Session {
                     let distinct = sorted.windows(2).all(|w| w[0] != w[1]);
                     let split: Vec<&[Item]> = items.chunks(per_part).collect();
                     if !distinct || split.len() == 1 {
+                        // One part: the look above holds for it (no sort
+                        // again); several with a group named twice: each
+                        // part looks at its own.
+                        let known = (split.len() == 1).then_some(distinct);
                         for (items, copy) in split.into_iter().zip(copies.iter_mut()) {
-                            results.extend(part.run(items, copy, None));
+                            results.extend(part.run(items, copy, known));
                         }
                         continue;
                     }
@@ -138,7 +142,7 @@ struct StorePart<'a> {
 
 impl StorePart<'_> {
     /// Stores `items` (at most `copy.chunk()`) through `copy`: claims T1
-    /// slots for them (where their groups are `distinct`: Some(true) known,
+    /// slots for them (where their groups are `distinct`: Some when known,
     /// None to find out), copies, commits, writes what landed in staging
     /// into T1 and tells the mount of the change. A result an entry.
     fn run(
