@@ -285,9 +285,11 @@ impl Session {
         if n <= PIN_ON_ADMISSION_MAX && parts > 1 {
             match self.restore_in_parts(&gpu, &work, &groups, parts, shape, timing)? {
                 Parted::Done(reply) => return Ok(reply),
-                Parted::NotInT1 => return self.restore_later(gpu, work, groups, None, timing),
+                Parted::NotInT1 => {
+                    return self.restore_later(gpu, work, groups, shape, None, timing);
+                }
                 Parted::Rest(held) => {
-                    return self.restore_later(gpu, work, groups, Some(held), timing);
+                    return self.restore_later(gpu, work, groups, shape, Some(held), timing);
                 }
                 Parted::Runs => {}
             }
@@ -297,7 +299,7 @@ impl Session {
             false => None,
         };
         let Some((addrs, pins)) = pinned else {
-            return self.restore_later(gpu, work, groups, None, timing);
+            return self.restore_later(gpu, work, groups, shape, None, timing);
         };
         let resident_us = checked.elapsed().as_micros() as u64;
         let items = &work.items;
@@ -459,12 +461,12 @@ impl Session {
         gpu: Arc<Engine>,
         work: Batch,
         groups: Vec<GroupIndex>,
+        shape: Shape,
         held: Option<Held>,
         (admitted, checks_us): (Instant, u64),
     ) -> Result<Reply, Rejection> {
         let layout = self.ctl.cascade.layout();
         let (gb, stride) = (layout.group_bytes(), layout.stride() as usize);
-        let shape = Shape::of(&work, gb);
         let skip = held.as_ref().map_or(0, |h| h.done);
         let n = work.len() - skip;
         let groups = groups[skip..].to_vec();
