@@ -28,6 +28,8 @@ pub struct SlotWrites<'a> {
     /// For each batch entry, its index into `held`.
     of: Vec<Option<u32>>,
     held: Vec<Held<'a>>,
+    /// How long the claim waited for the state lock (others' claims).
+    waited: Duration,
 }
 
 /// One slot `claim_slots` holds for group `g`.
@@ -52,6 +54,12 @@ impl SlotWrites<'_> {
     /// How many entries have a slot.
     pub fn held(&self) -> usize {
         self.held.len()
+    }
+
+    /// How long the claim waited for the cascade's state lock, held by
+    /// other claims and lookups meanwhile (where a GPU store's time goes).
+    pub fn waited(&self) -> Duration {
+        self.waited
     }
 
     /// The device address of entry `i`'s slot (T1 pinned and mapped).
@@ -297,10 +305,13 @@ impl Cascade {
             c: self,
             of: vec![None; groups.len()],
             held: Vec::with_capacity(groups.len()),
+            waited: Duration::ZERO,
         };
         let mut fresh = Vec::new();
         {
+            let asked = std::time::Instant::now();
             let mut st = self.state.lock();
+            w.waited = asked.elapsed();
             if st.free.len() < groups.len() {
                 self.adopt_chunks(&mut st);
             }

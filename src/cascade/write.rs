@@ -32,6 +32,9 @@ impl Cascade {
         groups: &[GroupIndex],
         mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), CascadeError>,
     ) -> Vec<Result<(), CascadeError>> {
+        if groups.is_empty() {
+            return Vec::new(); // no turn on the state lock for nothing
+        }
         let gb = self.layout.group_bytes() as usize;
         let mut results: Vec<Result<(), CascadeError>> =
             groups.iter().map(|&g| self.check_index(g)).collect();

@@ -163,6 +163,7 @@ impl StorePart<'_> {
         let ts = Instant::now();
         let slots = distinct.then(|| cascade.claim_slots(&groups, true));
         let slots_us = ts.elapsed().as_micros() as u64;
+        let lock_wait_us = slots.as_ref().map_or(0, |w| w.waited().as_micros() as u64);
         let direct: Vec<Option<u64>> = (0..items.len())
             .map(|i| slots.as_ref().and_then(|w| w.device_addr(i)))
             .collect();
@@ -189,17 +190,23 @@ impl StorePart<'_> {
         }
         let commit_us = t2.elapsed().as_micros() as u64;
         let staged: Vec<usize> = (0..items.len()).filter(|&i| direct[i].is_none()).collect();
-        let gs: Vec<GroupIndex> = staged.iter().map(|&i| groups[i]).collect();
-        let bytes: Vec<&[u8]> = staged.iter().map(|&i| copy.staged(i)).collect();
         let mut rs: Vec<Result<(), CascadeError>> = (0..items.len()).map(|_| Ok(())).collect();
-        for (&i, r) in staged
-            .iter()
-            .zip(write_staged(cascade, &gs, &bytes, distinct))
-        {
-            rs[i] = r;
+        // Nothing staged (every group straight into T1, the usual case):
+        // no write, so no turn on the state lock behind other tickets'
+        // claims (~0.3 ms a 4 KiB × 4096 ticket on the H200, 2026-12-06).
+        if !staged.is_empty() {
+            let gs: Vec<GroupIndex> = staged.iter().map(|&i| groups[i]).collect();
+            let bytes: Vec<&[u8]> = staged.iter().map(|&i| copy.staged(i)).collect();
+            for (&i, r) in staged
+                .iter()
+                .zip(write_staged(cascade, &gs, &bytes, distinct))
+            {
+                rs[i] = r;
+            }
         }
         // Where a part's time goes: claiming T1 slots (of which
-        // `claim_slots` itself) and describing, the copy (launch and
+        // `claim_slots` itself, and of that its wait for the state lock)
+        // and describing, the copy (launch and
         // wait), committing the claimed slots, and (write_us, from the
         // copy's end) committing and writing staged groups into T1.
         tracing::debug!(
@@ -209,6 +216,7 @@ impl StorePart<'_> {
             queued_us = self.queued_us,
             claim_us = (t1 - t0).as_micros() as u64,
             slots_us,
+            lock_wait_us,
             copy_us = (t2 - t1).as_micros() as u64,
             commit_us,
             write_us = t2.elapsed().as_micros() as u64,
