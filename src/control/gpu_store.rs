@@ -6,7 +6,7 @@
 //! land in staging and are written into T1 after.
 
 use super::admit::{Batch, Item};
-use super::gpu::{Shape, no_driver, part_groups, pieces};
+use super::gpu::{Shape, no_driver, pieces};
 use super::session::Session;
 use super::wire::{Command, NO_ENTRY, Reply};
 use super::{Rejection, reject};
@@ -19,10 +19,10 @@ use std::time::Instant;
 impl Session {
     /// A STORE from CUDA regions, at most a chunk of the engine's staging
     /// per launch: straight into claimed T1 slots where it can, else into
-    /// staging, whose groups are then written into T1 (write-back). A
-    /// chunk of many small groups is split into parts (see `store_parts`)
-    /// that claim, copy and commit side by side, each with its own staging,
-    /// table and stream.
+    /// staging, whose groups are then written into T1 (write-back).
+    /// (Splitting a chunk of many small groups into parts that claim, copy
+    /// and commit on threads of their own was measured slower on the H200,
+    /// 2026-12-06: the parts' claims take turns on the state lock.)
     pub(super) fn submit_gpu_store(self: &Arc<Session>, work: Batch) -> Result<Reply, Rejection> {
         crate::gpu::cuda::cuda().ok_or_else(no_driver)?;
         let layout = self.ctl.cascade.layout();
@@ -30,11 +30,8 @@ impl Session {
         let shape = Shape::of(&work, gb);
         let engine = self.ctl.gpu.on(work.cuda_device());
         let per_chunk = (STORE_CHUNK / stride).clamp(1, work.len().max(1));
-        let parts = store_parts(per_chunk);
-        let per_part = per_chunk.div_ceil(parts);
-        let mut copies = (0..parts)
-            .map(|_| engine.store(per_part, gb, stride, shape.unit, shape.kernel_rows(false)))
-            .collect::<Result<Vec<_>, _>>()
+        let mut copy = engine
+            .store(per_chunk, gb, stride, shape.unit, shape.kernel_rows(false))
             .map_err(|e| {
                 reject(
                     libc::EIO,
@@ -45,20 +42,14 @@ impl Session {
         let ticket = self.new_ticket();
         let s = self.clone();
         let started = Instant::now();
-        tracing::debug!(
-            ticket,
-            n = work.len(),
-            per_chunk,
-            parts,
-            "GPU store submitted"
-        );
+        tracing::debug!(ticket, n = work.len(), per_chunk, "GPU store submitted");
         self.ctl.exec.submit_ticket(
             self,
             ticket,
             Box::new(move || {
                 let mut results: Vec<Result<(), CascadeError>> = Vec::with_capacity(work.len());
                 let queued_us = started.elapsed().as_micros() as u64;
-                let part = StorePart {
+                let chunk = StoreChunk {
                     s: &s,
                     work: &work,
                     gb,
@@ -66,41 +57,10 @@ impl Session {
                     ticket,
                     queued_us,
                 };
-                for items in work.items.chunks(per_part * parts) {
-                    // A batch naming a group twice goes through staging, in
-                    // order: its parts run one after another.
-                    let mut sorted: Vec<u64> = items.iter().map(|it| it.g.0).collect();
-                    sorted.sort_unstable();
-                    let distinct = sorted.windows(2).all(|w| w[0] != w[1]);
-                    let split: Vec<&[Item]> = items.chunks(per_part).collect();
-                    if !distinct || split.len() == 1 {
-                        // One part: the look above holds for it (no sort
-                        // again); several with a group named twice: each
-                        // part looks at its own.
-                        let known = (split.len() == 1).then_some(distinct);
-                        for (items, copy) in split.into_iter().zip(copies.iter_mut()) {
-                            results.extend(part.run(items, copy, known));
-                        }
-                        continue;
-                    }
-                    // Distinct groups: the parts run on threads of their
-                    // own (this one runs the first), results kept in order.
-                    let part = &part;
-                    let mut jobs = split.into_iter().zip(copies.iter_mut());
-                    let (first, first_copy) = jobs.next().expect("split.len() > 1");
-                    std::thread::scope(|sc| {
-                        let others: Vec<_> = jobs
-                            .map(|(items, copy)| {
-                                sc.spawn(move || part.run(items, copy, Some(true)))
-                            })
-                            .collect();
-                        results.extend(part.run(first, first_copy, Some(true)));
-                        for h in others {
-                            results.extend(h.join().expect("a GPU store part panicked"));
-                        }
-                    });
+                for items in work.items.chunks(per_chunk) {
+                    results.extend(chunk.run(items, &mut copy));
                 }
-                drop(copies);
+                drop(copy);
                 s.complete(Command::Store, ticket, started, results);
             }),
         );
@@ -108,30 +68,8 @@ impl Session {
     }
 }
 
-/// Groups a part of a GPU store's chunk holds at least, where
-/// `KVFS_STORE_PART_GROUPS` turns parts on (off by default until measured
-/// on a GPU): below this, the claims, copy and commit of a part cost less
-/// than a thread's start and a launch.
-const STORE_PART_GROUPS: usize = 1024;
-/// Parts a GPU store's chunk is split into at most.
-const STORE_PARTS_MAX: usize = 4;
-
-/// The parts a chunk of `per_chunk` groups is stored in: a ticket's time
-/// goes mostly to per-group work on the host (claiming 4096 T1 slots,
-/// their descriptors, committing them), against a copy of ~0.3 ms; parts
-/// on several threads put several cores on it, and only the claims' map
-/// and policy updates take turns on the cascade's state lock.
-fn store_parts(per_chunk: usize) -> usize {
-    static LEAST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let least = *LEAST.get_or_init(|| part_groups("KVFS_STORE_PART_GROUPS", STORE_PART_GROUPS));
-    match least {
-        0 => 1,
-        least => (per_chunk / least).clamp(1, STORE_PARTS_MAX),
-    }
-}
-
-/// What every part of one GPU store shares.
-struct StorePart<'a> {
+/// What every chunk of one GPU store shares.
+struct StoreChunk<'a> {
     s: &'a Arc<Session>,
     work: &'a Batch,
     gb: u64,
@@ -140,26 +78,18 @@ struct StorePart<'a> {
     queued_us: u64,
 }
 
-impl StorePart<'_> {
+impl StoreChunk<'_> {
     /// Stores `items` (at most `copy.chunk()`) through `copy`: claims T1
-    /// slots for them (where their groups are `distinct`: Some when known,
-    /// None to find out), copies, commits, writes what landed in staging
+    /// slots for them (where no group is named twice), copies, commits, writes what landed in staging
     /// into T1 and tells the mount of the change. A result an entry.
-    fn run(
-        &self,
-        items: &[Item],
-        copy: &mut Store,
-        distinct: Option<bool>,
-    ) -> Vec<Result<(), CascadeError>> {
+    fn run(&self, items: &[Item], copy: &mut Store) -> Vec<Result<(), CascadeError>> {
         let (s, work, gb, shape, ticket) = (self.s, self.work, self.gb, self.shape, self.ticket);
         let cascade = &s.ctl.cascade;
         let t0 = Instant::now();
         let groups: Vec<GroupIndex> = items.iter().map(|it| it.g).collect();
-        let distinct = distinct.unwrap_or_else(|| {
-            let mut sorted: Vec<u64> = groups.iter().map(|g| g.0).collect();
-            sorted.sort_unstable();
-            sorted.windows(2).all(|w| w[0] != w[1])
-        });
+        let mut sorted: Vec<u64> = groups.iter().map(|g| g.0).collect();
+        sorted.sort_unstable();
+        let distinct = sorted.windows(2).all(|w| w[0] != w[1]);
         let ts = Instant::now();
         let slots = distinct.then(|| cascade.claim_slots(&groups, true));
         let slots_us = ts.elapsed().as_micros() as u64;
@@ -204,7 +134,7 @@ impl StorePart<'_> {
                 rs[i] = r;
             }
         }
-        // Where a part's time goes: claiming T1 slots (of which
+        // Where a chunk's time goes: claiming T1 slots (of which
         // `claim_slots` itself, and of that its wait for the state lock)
         // and describing, the copy (launch and
         // wait), committing the claimed slots, and (write_us, from the
@@ -220,7 +150,7 @@ impl StorePart<'_> {
             copy_us = (t2 - t1).as_micros() as u64,
             commit_us,
             write_us = t2.elapsed().as_micros() as u64,
-            "GPU store: part done"
+            "GPU store: chunk done"
         );
         s.changed(&groups, &rs);
         rs
