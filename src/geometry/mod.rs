@@ -243,7 +243,12 @@ impl GroupLayout {
                 return Err(LayoutError::Zero(what));
             }
         }
-        let groups = self.layers as u128 * self.blocks as u128 * self.kv_heads as u128 * 2;
+        // Checked: u32 × u64 × u32 × 2 can pass u128, and a wrapped
+        // product could look small enough to accept.
+        let groups = [self.blocks as u128, self.kv_heads as u128, 2]
+            .into_iter()
+            .try_fold(self.layers as u128, |a, b| a.checked_mul(b))
+            .unwrap_or(u128::MAX);
         if groups > MAX_GROUPS as u128 {
             return Err(LayoutError::TooManyGroups(groups));
         }
