@@ -343,7 +343,7 @@ impl Cascade {
             };
             for (i, (&g, at)) in groups.iter().zip(found).enumerate() {
                 debug_assert!(g.0 < self.layout.group_count());
-                let (s, guard, old) = match at {
+                let (pin, guard, old) = match at {
                     Some(s) => {
                         let i = s.0 as usize;
                         if st.slot_state[i] != SlotState::Resident {
@@ -354,10 +354,10 @@ impl Cascade {
                             let Some(old_guard) = self.slots[i].lock.try_write() else {
                                 continue;
                             };
-                            let Some((s2, guard)) = free.take() else {
+                            let Some((fresh_pin, guard)) = free.take() else {
                                 continue;
                             };
-                            (s2, guard, Some((self.pin_now(s), old_guard)))
+                            (fresh_pin, guard, Some((self.pin_now(s), old_guard)))
                         } else {
                             if device && self.slot_device_ptr(s).is_none() {
                                 continue;
@@ -365,24 +365,19 @@ impl Cascade {
                             let Some(guard) = self.slots[i].lock.try_write() else {
                                 continue;
                             };
-                            (s, guard, None)
+                            (self.pin_now(s), guard, None)
                         }
                     }
                     None => {
-                        let Some((s, guard)) = free.take() else {
+                        let Some((pin, guard)) = free.take() else {
                             continue;
                         };
-                        fresh.push(s);
-                        (s, guard, None)
+                        fresh.push(pin.slot);
+                        (pin, guard, None)
                     }
                 };
                 w.of[i] = Some(w.held.len() as u32);
-                w.held.push(Held {
-                    g,
-                    pin: self.pin_now(s),
-                    guard,
-                    old,
-                });
+                w.held.push(Held { g, pin, guard, old });
             }
             let taken = free.taken;
             let left = st.free.len() - taken;
@@ -428,7 +423,9 @@ struct FreeTaker<'a, 'f> {
 }
 
 impl<'a> FreeTaker<'a, '_> {
-    fn take(&mut self) -> Option<(SlotId, RwLockWriteGuard<'a, ()>)> {
+    /// The next free slot, pinned and write-locked, or None (and none
+    /// after) where it is pinned, busy or has no device mapping.
+    fn take(&mut self) -> Option<(Pin<'a>, RwLockWriteGuard<'a, ()>)> {
         let &s = self.free.iter().rev().nth(self.taken)?;
         let c = self.c;
         if !self.ok
@@ -443,6 +440,6 @@ impl<'a> FreeTaker<'a, '_> {
             return None;
         };
         self.taken += 1;
-        Some((s, guard))
+        Some((c.pin_unpinned(s), guard))
     }
 }
