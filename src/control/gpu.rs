@@ -203,7 +203,7 @@ const RESTORE_PARTS_MAX: usize = 8;
 /// The least groups a part holds as environment variable `var` sets it:
 /// unset, 0 or not a number, 0 (parts off, the default); `on` or `1`,
 /// `on_groups`; else the number given.
-pub(super) fn part_groups(var: &str, on_groups: usize) -> usize {
+fn part_groups(var: &str, on_groups: usize) -> usize {
     match std::env::var(var).as_deref() {
         Ok("on") | Ok("1") => on_groups,
         Ok(v) => v.parse().unwrap_or(0),
