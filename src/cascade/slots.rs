@@ -5,8 +5,12 @@
 //! slot is reachable (on the free list) only once its chunk has arrived.
 //! Copies run under a per-slot RwLock, taken only by a thread that holds a
 //! pin on the slot, and pins are only added under the state lock: so under
-//! that lock a slot with no pins has no lock holder, and is the only kind
-//! of slot that may be chosen as a victim or reused. A copy out of a slot
+//! that lock a free slot with no pins has no lock holder, and may be
+//! reused. (`claim_slots` alone write-locks slots without pinning them, all
+//! under the state lock and each one mapped before the state lock goes: a
+//! resident slot, which the victim test passes over while it is locked.)
+//! Only a resident slot with no pins and no lock holder may be chosen as a
+//! victim. A copy out of a slot
 //! holds its read lock and a reuse needs its write lock, so a slot is never
 //! overwritten under a reader. A holder of several slot locks takes them in
 //! ascending slot order, so waits cannot form a cycle.
@@ -360,18 +364,6 @@ impl Cascade {
     /// Pins `s`; the caller holds the state lock (pins are only added under it).
     pub(super) fn pin_now(&self, s: SlotId) -> Pin<'_> {
         self.slots[s.0 as usize].pins.fetch_add(1, Ordering::AcqRel);
-        Pin { c: self, slot: s }
-    }
-
-    /// Pins `s`, seen unpinned under the state lock the caller holds, with
-    /// a plain store instead of a locked add: pins are only added under
-    /// that lock, and only a pin's holder takes one away, so nothing else
-    /// changes the count meanwhile (a claim of 4096 free slots takes 4096
-    /// locked instructions fewer).
-    pub(super) fn pin_unpinned(&self, s: SlotId) -> Pin<'_> {
-        let pins = &self.slots[s.0 as usize].pins;
-        debug_assert_eq!(pins.load(Ordering::Relaxed), 0);
-        pins.store(1, Ordering::Release);
         Pin { c: self, slot: s }
     }
 

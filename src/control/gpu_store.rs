@@ -94,6 +94,7 @@ impl StoreChunk<'_> {
         let ts = Instant::now();
         let slots = distinct.then(|| cascade.claim_slots(&groups, true));
         let slots_us = ts.elapsed().as_micros() as u64;
+        let sort_us = (ts - t0).as_micros() as u64;
         let lock_wait_us = slots.as_ref().map_or(0, |w| w.waited().as_micros() as u64);
         let direct: Vec<Option<u64>> = (0..items.len())
             .map(|i| slots.as_ref().and_then(|w| w.device_addr(i)))
@@ -130,25 +131,30 @@ impl StoreChunk<'_> {
         {
             rs[i] = r;
         }
-        // Where a chunk's time goes: claiming T1 slots (of which
-        // `claim_slots` itself, and of that its wait for the state lock)
-        // and describing, the copy (launch and
-        // wait), committing the claimed slots, and (write_us, from the
-        // copy's end) committing and writing staged groups into T1.
+        let write_us = t2.elapsed().as_micros() as u64;
+        let t4 = Instant::now();
+        s.changed(&groups, &rs);
+        // Where a chunk's time goes: claiming T1 slots (sorting to find
+        // groups named twice, `claim_slots` itself and of that its wait
+        // for the state lock, then describing), the copy (launch and
+        // wait), committing the claimed slots, writing staged groups into
+        // T1 (write_us, from the copy's end, commit included) and telling
+        // the mount of the change.
         tracing::debug!(
             ticket,
             n = items.len(),
             in_place = items.len() - staged.len(),
             queued_us = self.queued_us,
             claim_us = (t1 - t0).as_micros() as u64,
+            sort_us,
             slots_us,
             lock_wait_us,
             copy_us = (t2 - t1).as_micros() as u64,
             commit_us,
-            write_us = t2.elapsed().as_micros() as u64,
+            write_us,
+            changed_us = t4.elapsed().as_micros() as u64,
             "GPU store: chunk done"
         );
-        s.changed(&groups, &rs);
         rs
     }
 }
