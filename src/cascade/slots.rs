@@ -3,17 +3,17 @@
 //! T1 is `HostBuf` chunks cut into `stride`-sized slots (aligned for
 //! O_DIRECT, so write-back and fills go straight from and into slots); a
 //! slot is reachable (on the free list) only once its chunk has arrived.
-//! Copies run under a per-slot RwLock, taken only by a thread that holds a
-//! pin on the slot, and pins are only added under the state lock: so under
-//! that lock a free slot with no pins has no lock holder, and may be
-//! reused. (`claim_slots` alone write-locks slots without pinning them, all
-//! under the state lock and each one mapped before the state lock goes: a
-//! resident slot, which the victim test passes over while it is locked.)
-//! Only a resident slot with no pins and no lock holder may be chosen as a
-//! victim. A copy out of a slot
-//! holds its read lock and a reuse needs its write lock, so a slot is never
-//! overwritten under a reader. A holder of several slot locks takes them in
-//! ascending slot order, so waits cannot form a cycle.
+//! Copies run under a per-slot RwLock, taken either by a thread that
+//! holds a pin on the slot, or with a try-lock under the state lock on a
+//! mapped slot (`claim_slots`' write locks, a GPU restore's read locks);
+//! pins are only added under the state lock. So under that lock a free
+//! slot with no pins has no lock holder and may be reused, and a resident
+//! slot only with no pins and no lock holder may be chosen as a victim. A
+//! copy out of a slot holds its read lock and a reuse needs its write lock,
+//! so a slot is never overwritten under a reader. A holder of several slot
+//! locks that waits for one takes those it waits for in ascending slot
+//! order, and a writer never waits holding another slot's lock, so waits
+//! cannot form a cycle.
 
 use super::{Cascade, NO_GROUP, SlotId, SlotState, State};
 use crate::geometry::GroupIndex;
@@ -97,8 +97,10 @@ impl Drop for Pin<'_> {
 }
 
 /// Slots held for device copies (see `Cascade::pin_for_device`): each
-/// slot in `locked` read-locked once, each entry of `pinned` one pin
-/// (`slot << 32 | batch index`, sorted).
+/// entry of `locked` one read lock (a slot named twice in a batch may be
+/// there twice), each entry of `pinned` one pin (`slot << 32 | batch
+/// index`, sorted): slots that were busy under the state lock, read-locked
+/// after it (and then in `locked` too).
 pub struct DevicePins {
     c: Arc<Cascade>,
     locked: Vec<u32>,
@@ -401,26 +403,39 @@ impl Cascade {
         }
     }
 
-    /// Pins and read-locks the T1 slots of those `groups` that are
-    /// resident, for copies the GPU makes straight out of them: returns each
-    /// group's slot device address (None where the group is not in T1 or
-    /// T1 is not device-mapped), and the entries whose slot a GPU STORE
-    /// holds (`read_lock_nowait`): those are neither served nor to be read
+    /// Read-locks the T1 slots of those `groups` that are resident, for
+    /// copies the GPU makes straight out of them: returns each group's slot
+    /// device address (None where the group is not in T1 or T1 is not
+    /// device-mapped), and the entries whose slot a GPU STORE holds
+    /// (`read_lock_nowait`): those are neither served nor to be read
     /// elsewhere. The slots cannot be written, evicted or reused until the
     /// returned guard drops. It never waits on the GPU.
     pub fn pin_for_device(
         self: &Arc<Self>,
         groups: &[GroupIndex],
     ) -> (Vec<Option<u64>>, DevicePins, Vec<usize>) {
-        // Pin first, then lock in ascending slot order, each slot once: every
-        // holder of several slot locks (this, sync_all) takes them in that
-        // order, so waits cannot form a cycle even with queued writers.
-        let mut pins = self
-            .pin_mapped(groups, false)
+        let (mut pins, ready) = self
+            .lock_mapped(groups, false)
             .expect("only a batch that must be all in T1 gives up");
         let mut addrs = vec![None; groups.len()];
-        let mut busy = Vec::new();
         let mut hits = 0;
+        let mut serve = |addrs: &mut Vec<Option<u64>>, s: u32, i: u32| {
+            if self.holds(SlotId(s), groups[i as usize])
+                && let Some(d) = self.slot_device_ptr(SlotId(s))
+            {
+                addrs[i as usize] = Some(d);
+                hits += 1;
+            }
+        };
+        for p in ready {
+            let (s, i) = slot_and_index(p);
+            serve(&mut addrs, s, i);
+        }
+        // The rest were busy under the state lock and are pinned: locked
+        // now in ascending slot order, each slot once, as every holder of
+        // several slot locks that waits for them (this, sync_all) takes
+        // them, so waits cannot form a cycle even with queued writers.
+        let mut busy = Vec::new();
         let mut last: Option<(u32, bool)> = None;
         for k in 0..pins.pinned.len() {
             let (s, i) = slot_and_index(pins.pinned[k]);
@@ -440,15 +455,10 @@ impl Cascade {
                     locked
                 }
             };
-            if !locked {
+            if locked {
+                serve(&mut addrs, s, i);
+            } else {
                 busy.push(i as usize);
-                continue;
-            }
-            if self.holds(SlotId(s), groups[i as usize])
-                && let Some(d) = self.slot_device_ptr(SlotId(s))
-            {
-                addrs[i as usize] = Some(d);
-                hits += 1;
             }
         }
         busy.sort_unstable();
@@ -456,23 +466,34 @@ impl Cascade {
         (addrs, pins, busy)
     }
 
-    /// Pins the T1 slots of `groups` under one acquisition of the state
-    /// lock: a guard holding no slot lock yet, its pins sorted by slot.
+    /// Read-locks the T1 slots of `groups` under one acquisition of the
+    /// state lock, with a try-lock each: the guard and the entries so
+    /// locked (`slot << 32 | batch index`). A slot busy right then (being
+    /// written, or a writer waiting) is pinned instead, for the caller to
+    /// lock once the state lock is gone: those are the guard's `pinned`,
+    /// sorted by slot. A read lock held keeps a slot from being evicted or
+    /// reused as a pin would, so the usual entry costs one locked
+    /// instruction to take and one to let go, not two of each.
     /// With `all`, None (nothing held) as soon as a group is not in T1;
     /// otherwise groups not in T1 are left out. Slots and indexes as plain
     /// u32 pairs: a batch of 4096 costs tens of microseconds here, and
     /// every byte moved counts.
-    fn pin_mapped(self: &Arc<Self>, groups: &[GroupIndex], all: bool) -> Option<DevicePins> {
+    fn lock_mapped(
+        self: &Arc<Self>,
+        groups: &[GroupIndex],
+        all: bool,
+    ) -> Option<(DevicePins, Vec<u64>)> {
         let mut pins = DevicePins {
             c: self.clone(),
-            locked: Vec::new(),
-            pinned: Vec::with_capacity(groups.len()),
+            locked: Vec::with_capacity(groups.len()),
+            pinned: Vec::new(),
         };
+        let mut ready = Vec::with_capacity(groups.len());
         {
             let mut st = self.state.lock();
             // Every lookup first, with no atomic between them (a locked
             // instruction is a full barrier on x86): so the CPU overlaps
-            // their cache misses, then pins.
+            // their cache misses, then the locks.
             let slots: Vec<Option<SlotId>> = st.map.get_many(groups);
             if all && slots.iter().any(Option::is_none) {
                 return None;
@@ -482,16 +503,26 @@ impl Cascade {
             }
             for (i, s) in slots.into_iter().enumerate() {
                 let Some(s) = s else { continue };
-                self.slots[s.0 as usize].pins.fetch_add(1, Ordering::AcqRel);
+                let entry = (s.0 as u64) << 32 | i as u64;
+                match self.slots[s.0 as usize].lock.try_read() {
+                    Some(g) => {
+                        // Released by DevicePins::drop.
+                        std::mem::forget(g);
+                        pins.locked.push(s.0);
+                        ready.push(entry);
+                    }
+                    None => {
+                        self.slots[s.0 as usize].pins.fetch_add(1, Ordering::AcqRel);
+                        pins.pinned.push(entry);
+                    }
+                }
                 if st.slot_state[s.0 as usize] == SlotState::Resident {
                     st.policy.touch(s);
                 }
-                pins.pinned.push((s.0 as u64) << 32 | i as u64);
             }
         }
         sort_by_slot(&mut pins.pinned, u32::BITS - self.n_slots.leading_zeros());
-        pins.locked.reserve(pins.pinned.len());
-        Some(pins)
+        Some((pins, ready))
     }
 
     /// Counts T1 hits of device copies, once per batch: these counters are
@@ -504,23 +535,32 @@ impl Cascade {
     }
 
     /// `pin_for_device` for a batch that is all in T1, taken on admission:
-    /// every group's slot device address, pinned and read-locked, or None
-    /// (nothing held) when a group is not in T1, T1 is not device-mapped,
-    /// or a slot is being written right now. It never waits, so a caller
-    /// may hold it across the reply; and it looks every group up once,
-    /// where a residence check and a later pin would look twice.
+    /// every group's slot device address, read-locked, or None (nothing
+    /// held) when a group is not in T1, T1 is not device-mapped, or a slot
+    /// is being written right now. It never waits, so a caller may hold it
+    /// across the reply; and it looks every group up once, where a
+    /// residence check and a later lock would look twice.
     pub fn try_pin_resident(
         self: &Arc<Self>,
         groups: &[GroupIndex],
     ) -> Option<(Vec<u64>, DevicePins)> {
-        let mut pins = self.pin_mapped(groups, true)?;
+        let (mut pins, ready) = self.lock_mapped(groups, true)?;
         let mut addrs = vec![0u64; groups.len()];
+        for p in ready {
+            let (s, i) = slot_and_index(p);
+            if !self.holds(SlotId(s), groups[i as usize]) {
+                return None;
+            }
+            addrs[i as usize] = self.slot_device_ptr(SlotId(s))?;
+        }
+        let mut last = None;
         for k in 0..pins.pinned.len() {
             let (s, i) = slot_and_index(pins.pinned[k]);
-            if pins.locked.last() != Some(&s) {
+            if last != Some(s) {
                 // Released by DevicePins::drop.
                 std::mem::forget(self.slots[s as usize].lock.try_read()?);
                 pins.locked.push(s);
+                last = Some(s);
             }
             if !self.holds(SlotId(s), groups[i as usize]) {
                 return None;
