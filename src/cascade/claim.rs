@@ -162,6 +162,7 @@ impl Cascade {
             if st.map.contains_key(&g) {
                 return Ok(Claim::Mapped);
             }
+            self.take_spares(&mut st);
             if st.free.is_empty() {
                 self.adopt_chunks(&mut st);
             }
@@ -263,12 +264,19 @@ impl Cascade {
         st.free.push(s);
     }
 
-    /// Puts fresh slots a copy on write took (never mapped, now let go)
-    /// back on the free list.
+    /// Gives back spare slots a copy on write took (never mapped, now let
+    /// go): to `spares`, for the next claim to put on the free list.
     fn free_spare(&self, spare: Vec<SlotId>) {
         if !spare.is_empty() {
-            self.state.lock().free.extend(spare);
+            self.spares.lock().extend(spare);
         }
+    }
+
+    /// Moves the spares given back since onto the free list (its end, so
+    /// they, warm in cache, are taken first).
+    fn take_spares(&self, st: &mut State) {
+        let mut sp = self.spares.lock();
+        st.free.append(&mut sp);
     }
 
     /// Undoes a claim whose fill failed: the slot goes back to the free list.
@@ -314,6 +322,7 @@ impl Cascade {
             let asked = std::time::Instant::now();
             let mut st = self.state.lock();
             w.waited = asked.elapsed();
+            self.take_spares(&mut st);
             if st.free.len() < groups.len() {
                 self.adopt_chunks(&mut st);
             }

@@ -321,6 +321,12 @@ pub struct Cascade {
     /// Each slot's words (lock, pins, group, flags, memory), together.
     slots: Box<[SlotMeta]>,
     state: Mutex<State>,
+    /// Spare slots a GPU store's copies on write let go (see
+    /// `claim_slots`): free, unpinned and unlocked, kept here until the
+    /// next claim moves them onto the free list under the state lock, so
+    /// that a store's commit never waits for that lock (behind other
+    /// tickets' claims) only to give them back.
+    spares: Mutex<Vec<SlotId>>,
     changed: Condvar,
     stripes: Box<[Mutex<()>]>,
     sync_lock: Mutex<()>,
@@ -450,6 +456,7 @@ impl Cascade {
                 free: (0..first_slots).rev().map(SlotId).collect(),
                 policy,
             }),
+            spares: Mutex::new(Vec::new()),
             changed: Condvar::new(),
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
             sync_lock: Mutex::new(()),
