@@ -148,16 +148,17 @@ impl Drop for DevicePins {
     fn drop(&mut self) {
         // Locks before pins, as everywhere.
         for &s in &self.locked {
-            // SAFETY: pin_for_device took exactly one read lock on each of
-            // these slots and forgot its guard.
+            // SAFETY: lock_mapped or pin_for_device took one read lock for
+            // each entry of `locked` and forgot its guard.
             unsafe { self.c.slots[s as usize].lock.force_unlock_read() };
         }
-        let mut freed = false;
         for &p in &self.pinned {
             let (s, _) = slot_and_index(p);
-            freed |= self.c.slots[s as usize].pins.fetch_sub(1, Ordering::AcqRel) == 1;
+            self.c.slots[s as usize].pins.fetch_sub(1, Ordering::AcqRel);
         }
-        if freed {
+        // Slots unlocked or unpinned may be victims now: wake the claims
+        // waiting for one (most held no pin, so no pin's drop does).
+        if !self.locked.is_empty() || !self.pinned.is_empty() {
             self.c.changed.notify_all();
         }
     }
