@@ -28,6 +28,10 @@ for v in "$@"; do
   IFS=: read -r name bin _ <<< "$v"
   [ -x "$bin" ] || { echo "gpu_ab: variant $name: $bin is not an executable" >&2; exit 2; }
 done
+# One GPU run at a time (see tools/gpu_device_run.sh): figures taken beside
+# another run's copies would be the two runs' share of the bus.
+exec 9>/tmp/kvfs-gpu-run.lock
+flock -w 600 9 || { echo "gpu_ab: another GPU run holds /tmp/kvfs-gpu-run.lock" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 RUST_LOG=info${LOG:+,kvfs::control=$LOG,kvfs::gpu=$LOG}
 mnt=/mnt/kvfs-ab; back=/tmp/kvfs-ab
 for rep in $(seq 1 "$reps"); do

@@ -8,6 +8,10 @@
 # HF=1 also runs the kvfs.hf demo (HF_BLOCKS="64 16": the block sizes).
 # DYING=1 also kills 100 clients with GPU tickets in flight (about a minute).
 set -u
+# One run at a time on a machine: a device call cut short leaves its run
+# going, and a second one would unmount the first's mounts under it.
+exec 9>/tmp/kvfs-gpu-run.lock
+flock -w 600 9 || { echo "gpu_device_run: another GPU run holds /tmp/kvfs-gpu-run.lock" >&2; exit 1; }
 B=$PWD/.devbin/kvfs-bin
 export PYTHONUNBUFFERED=1
 if [ "${SKIP_TESTS:-0}" = 0 ]; then echo "== unit and GPU tests"
@@ -29,6 +33,13 @@ $B mount /mnt/k4 --backing /tmp/b4 --t1 4GiB --preset llama-3.1-8b || exit 1
 $B mount /mnt/kg --backing /tmp/bg --t1 8KiB --layers 1 --blocks 4 --kv-heads 1 --head-dim 128 --block-tokens 16 --dtype bf16 || exit 1
 set -o pipefail
 fail=0
+# The correctness checks first, the bandwidth runs (minutes) after: a run
+# cut short has still checked what matters most.
+echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 | tail -10 || fail=1
+mkdir -p /mnt/khf; rm -rf /tmp/bhf
+$B mount /mnt/khf --backing /tmp/bhf --t1 64MiB --layers 4 --blocks 1024 --kv-heads 2 --head-dim 64 --block-tokens 16 --dtype bf16 || exit 1
+echo "== KvfsCache bytes (prefix saved, loaded by a new cache, layers evicted and restored)"; KVFS_HF_MOUNT=/mnt/khf PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_hf.py 2>&1 | tail -6 || fail=1
+timeout -k 2 20 $B umount /mnt/khf
 echo "== e2e 16 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --ring --target 0.85 2>&1 | tail -25 || fail=1
 echo "== e2e 4 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k4 --batch 4096 --inflight 4 --rounds 128 --ring --target 0.80 2>&1 | tail -20 || fail=1
 # Strided entries: the rows kernel (the default) at pitch 512 (through the
@@ -44,11 +55,6 @@ mkdir -p /mnt/kr; KVFS_GPU_ROWS=pieces $B mount /mnt/kr --backing /tmp/br --t1 2
 echo "== e2e 16 KiB strided (64 rows of 256 B, pitch 512), in pieces"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/kr --batch 1024 --inflight 4 --rounds 128 --row 256 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1
 timeout -k 2 20 $B umount /mnt/kr; rm -rf /tmp/br
 echo "== engine layouts in GPU memory"; KVFS_MOUNT=/mnt/k16 PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_layouts.py 2>&1 | tail -8 || fail=1
-mkdir -p /mnt/khf; rm -rf /tmp/bhf
-$B mount /mnt/khf --backing /tmp/bhf --t1 64MiB --layers 4 --blocks 1024 --kv-heads 2 --head-dim 64 --block-tokens 16 --dtype bf16 || exit 1
-echo "== KvfsCache bytes (prefix saved, loaded by a new cache, layers evicted and restored)"; KVFS_HF_MOUNT=/mnt/khf PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_hf.py 2>&1 | tail -6 || fail=1
-timeout -k 2 20 $B umount /mnt/khf
-echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 | tail -10 || fail=1
 # DYING=1: 100 clients killed with GPU tickets in flight, 12 at a time
 # (about a minute).
 if [ "${DYING:-0}" = 1 ]; then
