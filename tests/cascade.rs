@@ -975,3 +975,72 @@ fn a_gate_job_passes_queued_writers_and_skips_slots_a_gpu_store_holds() {
     c.read(GroupIndex(1), 0, &mut out).unwrap();
     assert_eq!(out, pattern(101, gb));
 }
+
+/// Device restores lock the slots a look up found with no pin, so a slot
+/// may be reused between the two: under writers that evict and reuse
+/// slots all the time, restores that hold their slots a while never hang,
+/// never keep a slot from being written for good, and every group reads
+/// back the last bytes written to it.
+#[test]
+fn device_restores_race_writers_that_reuse_slots() {
+    let layout = small_layout();
+    let gb = layout.group_bytes() as usize;
+    let c = ready_cascade(layout, 6);
+    let groups = 24u64;
+    let last: Arc<Vec<std::sync::atomic::AtomicU64>> = Arc::new(
+        (0..groups)
+            .map(|_| std::sync::atomic::AtomicU64::new(0))
+            .collect(),
+    );
+    for g in 0..groups {
+        c.write(GroupIndex(g), 0, &pattern(g << 32, gb)).unwrap();
+        last[g as usize].store(g << 32, std::sync::atomic::Ordering::SeqCst);
+    }
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (c2, last2) = (c.clone(), last.clone());
+    without_waiting("writers beside device restores", move || {
+        let (c, last) = (c2, last2);
+        std::thread::scope(|s| {
+            for w in 0..2u64 {
+                let (c, last, stop) = (c.clone(), last.clone(), stop.clone());
+                s.spawn(move || {
+                    let mut n = 0u64;
+                    // Writer w owns the groups of its parity, so the last
+                    // write to each is known.
+                    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        n += 1;
+                        let g = (n * 7 + w) % groups / 2 * 2 + w;
+                        let v = g << 32 | n;
+                        c.write(GroupIndex(g), 0, &pattern(v, gb)).unwrap();
+                        last[g as usize].store(v, std::sync::atomic::Ordering::SeqCst);
+                    }
+                });
+            }
+            for r in 0..2u64 {
+                let (c, stop) = (c.clone(), stop.clone());
+                s.spawn(move || {
+                    let mut n = r;
+                    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        n += 1;
+                        let batch: Vec<GroupIndex> = (0..5)
+                            .map(|k| GroupIndex((n * 5 + k * 3) % groups))
+                            .collect();
+                        let (addrs, held, busy) = c.pin_for_device(&batch);
+                        assert_eq!(addrs.len(), batch.len());
+                        assert!(busy.is_empty(), "no GPU store here");
+                        std::thread::sleep(std::time::Duration::from_micros(200));
+                        drop(held);
+                    }
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1500));
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+    });
+    let mut out = vec![0u8; gb];
+    for g in 0..groups {
+        c.read(GroupIndex(g), 0, &mut out).unwrap();
+        let v = last[g as usize].load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(out, pattern(v, gb), "group {g}");
+    }
+}

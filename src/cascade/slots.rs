@@ -3,17 +3,20 @@
 //! T1 is `HostBuf` chunks cut into `stride`-sized slots (aligned for
 //! O_DIRECT, so write-back and fills go straight from and into slots); a
 //! slot is reachable (on the free list) only once its chunk has arrived.
-//! Copies run under a per-slot RwLock, taken either by a thread that
-//! holds a pin on the slot, or with a try-lock under the state lock on a
-//! mapped slot (`claim_slots`' write locks, a GPU restore's read locks);
-//! pins are only added under the state lock. So under that lock a free
-//! slot with no pins has no lock holder and may be reused, and a resident
-//! slot only with no pins and no lock holder may be chosen as a victim. A
-//! copy out of a slot holds its read lock and a reuse needs its write lock,
-//! so a slot is never overwritten under a reader. A holder of several slot
-//! locks that waits for one takes those it waits for in ascending slot
-//! order, and a writer never waits holding another slot's lock, so waits
-//! cannot form a cycle.
+//! Copies run under a per-slot RwLock, taken by a thread that holds a pin
+//! on the slot, or with a try-lock under the state lock on a mapped slot
+//! (`claim_slots`' write locks), or by a GPU restore with neither (a
+//! try-lock on the slot a look up found, checked under that lock to still
+//! hold the group, let go at once where it does not); pins are only added
+//! under the state lock. So under that lock a free slot with no pins has
+//! no lock holder but, for a moment, such a restore's (a try-lock on it
+//! fails, and the claim takes another), and a resident slot only with no
+//! pins and no lock holder may be chosen as a victim. A copy out of a slot
+//! holds its read lock and a reuse needs its write lock, so a slot is
+//! never overwritten under a reader. A holder of several slot locks that
+//! waits for one takes those it waits for in ascending slot order, and a
+//! writer never waits holding another slot's lock, so waits cannot form a
+//! cycle.
 
 use super::{Cascade, NO_GROUP, SlotId, SlotState, State};
 use crate::geometry::GroupIndex;
@@ -98,13 +101,11 @@ impl Drop for Pin<'_> {
 
 /// Slots held for device copies (see `Cascade::pin_for_device`): each
 /// entry of `locked` one read lock (a slot named twice in a batch may be
-/// there twice), each entry of `pinned` one pin (`slot << 32 | batch
-/// index`, sorted): slots that were busy under the state lock, read-locked
-/// after it (and then in `locked` too).
+/// there twice). A read lock keeps a slot from being written, evicted or
+/// reused, as a pin would: no pins are taken.
 pub struct DevicePins {
     c: Arc<Cascade>,
     locked: Vec<u32>,
-    pinned: Vec<u64>,
 }
 
 /// A `DevicePins` entry's slot and batch index.
@@ -146,19 +147,14 @@ fn sort_by_slot(v: &mut Vec<u64>, slot_bits: u32) {
 
 impl Drop for DevicePins {
     fn drop(&mut self) {
-        // Locks before pins, as everywhere.
         for &s in &self.locked {
-            // SAFETY: lock_mapped or pin_for_device took one read lock for
-            // each entry of `locked` and forgot its guard.
+            // SAFETY: lock_mapped, pin_for_device or try_pin_resident took
+            // one read lock for each entry of `locked` and forgot its guard.
             unsafe { self.c.slots[s as usize].lock.force_unlock_read() };
         }
-        for &p in &self.pinned {
-            let (s, _) = slot_and_index(p);
-            self.c.slots[s as usize].pins.fetch_sub(1, Ordering::AcqRel);
-        }
-        // Slots unlocked or unpinned may be victims now: wake the claims
-        // waiting for one (most held no pin, so no pin's drop does).
-        if !self.locked.is_empty() || !self.pinned.is_empty() {
+        // Slots unlocked may be victims now: wake the claims waiting for
+        // one (no pin was dropped to wake them).
+        if !self.locked.is_empty() {
             self.c.changed.notify_all();
         }
     }
@@ -415,12 +411,22 @@ impl Cascade {
         self: &Arc<Self>,
         groups: &[GroupIndex],
     ) -> (Vec<Option<u64>>, DevicePins, Vec<usize>) {
-        let (mut pins, ready) = self
+        let (mut pins, ready, mut later) = self
             .lock_mapped(groups, false)
             .expect("only a batch that must be all in T1 gives up");
         let mut addrs = vec![None; groups.len()];
         let mut hits = 0;
+        for p in ready {
+            let (s, i) = slot_and_index(p);
+            if let Some(d) = self.slot_device_ptr(SlotId(s)) {
+                addrs[i as usize] = Some(d);
+                hits += 1;
+            }
+        }
         let mut serve = |addrs: &mut Vec<Option<u64>>, s: u32, i: u32| {
+            // Under the slot's read lock its group cannot change: a slot
+            // reused since the look up holds another (the group is then
+            // read from the backing, like any miss).
             if self.holds(SlotId(s), groups[i as usize])
                 && let Some(d) = self.slot_device_ptr(SlotId(s))
             {
@@ -428,18 +434,15 @@ impl Cascade {
                 hits += 1;
             }
         };
-        for p in ready {
-            let (s, i) = slot_and_index(p);
-            serve(&mut addrs, s, i);
-        }
-        // The rest were busy under the state lock and are pinned: locked
-        // now in ascending slot order, each slot once, as every holder of
-        // several slot locks that waits for them (this, sync_all) takes
-        // them, so waits cannot form a cycle even with queued writers.
+        // The slots busy at first: waited for in ascending slot order,
+        // each slot once, as every holder of several slot locks that waits
+        // for them (this, sync_all) takes them, so waits cannot form a
+        // cycle even with queued writers.
+        sort_by_slot(&mut later, u32::BITS - self.n_slots.leading_zeros());
         let mut busy = Vec::new();
         let mut last: Option<(u32, bool)> = None;
-        for k in 0..pins.pinned.len() {
-            let (s, i) = slot_and_index(pins.pinned[k]);
+        for p in later {
+            let (s, i) = slot_and_index(p);
             let locked = match last {
                 Some((t, locked)) if t == s => locked,
                 _ => {
@@ -467,63 +470,73 @@ impl Cascade {
         (addrs, pins, busy)
     }
 
-    /// Read-locks the T1 slots of `groups` under one acquisition of the
-    /// state lock, with a try-lock each: the guard and the entries so
-    /// locked (`slot << 32 | batch index`). A slot busy right then (being
-    /// written, or a writer waiting) is pinned instead, for the caller to
-    /// lock once the state lock is gone: those are the guard's `pinned`,
-    /// sorted by slot. A read lock held keeps a slot from being evicted or
-    /// reused as a pin would, so the usual entry costs one locked
-    /// instruction to take and one to let go, not two of each.
-    /// With `all`, None (nothing held) as soon as a group is not in T1;
-    /// otherwise groups not in T1 are left out. Slots and indexes as plain
-    /// u32 pairs: a batch of 4096 costs tens of microseconds here, and
-    /// every byte moved counts.
+    /// Looks `groups` up in T1 under one acquisition of the state lock
+    /// (telling the policy of the hits), then, with the state lock gone,
+    /// read-locks their slots with a try-lock each: the guard, the entries
+    /// so locked and those whose slot was busy (each `slot << 32 | batch
+    /// index`). Nothing holds a slot between the look up and its lock, so
+    /// it may have been reused meanwhile: a slot that holds another group
+    /// once locked is let go at once, its group left out as not in T1 (a
+    /// busy slot's caller checks the same once it has the lock). Under the
+    /// state lock only the look ups and the policy's bits: four restores
+    /// in flight take turns on it for that alone, and lock their slots side
+    /// by side. With `all`, None (nothing held) as soon as a group is not
+    /// in T1; otherwise groups not in T1 are left out.
+    /// How many entries ahead `lock_mapped` asks for a slot's line.
+    const AHEAD: usize = 16;
+
     fn lock_mapped(
         self: &Arc<Self>,
         groups: &[GroupIndex],
         all: bool,
-    ) -> Option<(DevicePins, Vec<u64>)> {
-        let mut pins = DevicePins {
-            c: self.clone(),
-            locked: Vec::with_capacity(groups.len()),
-            pinned: Vec::new(),
-        };
-        let mut ready = Vec::with_capacity(groups.len());
-        {
+    ) -> Option<(DevicePins, Vec<u64>, Vec<u64>)> {
+        let slots: Vec<Option<SlotId>> = {
             let mut st = self.state.lock();
-            // Every lookup first, with no atomic between them (a locked
-            // instruction is a full barrier on x86): so the CPU overlaps
-            // their cache misses, then the locks.
-            let slots: Vec<Option<SlotId>> = st.map.get_many(groups);
+            // Every lookup first, with nothing between them that waits: so
+            // the CPU overlaps their cache misses.
+            let slots = st.map.get_many(groups);
             if all && slots.iter().any(Option::is_none) {
                 return None;
             }
             for &s in slots.iter().flatten() {
                 self.prefetch_slot(&st, s);
             }
-            for (i, s) in slots.into_iter().enumerate() {
-                let Some(s) = s else { continue };
-                let entry = (s.0 as u64) << 32 | i as u64;
-                match self.slots[s.0 as usize].lock.try_read() {
-                    Some(g) => {
-                        // Released by DevicePins::drop.
-                        std::mem::forget(g);
-                        pins.locked.push(s.0);
-                        ready.push(entry);
-                    }
-                    None => {
-                        self.slots[s.0 as usize].pins.fetch_add(1, Ordering::AcqRel);
-                        pins.pinned.push(entry);
-                    }
-                }
+            for &s in slots.iter().flatten() {
                 if st.slot_state[s.0 as usize] == SlotState::Resident {
                     st.policy.touch(s);
                 }
             }
+            slots
+        };
+        let mut pins = DevicePins {
+            c: self.clone(),
+            locked: Vec::with_capacity(groups.len()),
+        };
+        let mut ready = Vec::with_capacity(groups.len());
+        let mut busy = Vec::new();
+        for i in 0..slots.len() {
+            // Each try-lock is a full barrier: the line a few entries on is
+            // asked for now, so its miss overlaps the locks between.
+            if let Some(Some(a)) = slots.get(i + Self::AHEAD) {
+                super::slotmap::prefetch(&self.slots[a.0 as usize]);
+            }
+            let Some(s) = slots[i] else { continue };
+            let entry = (s.0 as u64) << 32 | i as u64;
+            match self.slots[s.0 as usize].lock.try_read() {
+                // Under the slot's read lock its group cannot change.
+                Some(g) if self.holds(s, groups[i]) => {
+                    // Released by DevicePins::drop.
+                    std::mem::forget(g);
+                    pins.locked.push(s.0);
+                    ready.push(entry);
+                }
+                // Reused since the look up: not in T1 (any more).
+                Some(_) if all => return None,
+                Some(_) => {}
+                None => busy.push(entry),
+            }
         }
-        sort_by_slot(&mut pins.pinned, u32::BITS - self.n_slots.leading_zeros());
-        Some((pins, ready))
+        Some((pins, ready, busy))
     }
 
     /// Counts T1 hits of device copies, once per batch: these counters are
@@ -545,27 +558,13 @@ impl Cascade {
         self: &Arc<Self>,
         groups: &[GroupIndex],
     ) -> Option<(Vec<u64>, DevicePins)> {
-        let (mut pins, ready) = self.lock_mapped(groups, true)?;
+        let (pins, ready, busy) = self.lock_mapped(groups, true)?;
+        if !busy.is_empty() {
+            return None;
+        }
         let mut addrs = vec![0u64; groups.len()];
         for p in ready {
             let (s, i) = slot_and_index(p);
-            if !self.holds(SlotId(s), groups[i as usize]) {
-                return None;
-            }
-            addrs[i as usize] = self.slot_device_ptr(SlotId(s))?;
-        }
-        let mut last = None;
-        for k in 0..pins.pinned.len() {
-            let (s, i) = slot_and_index(pins.pinned[k]);
-            if last != Some(s) {
-                // Released by DevicePins::drop.
-                std::mem::forget(self.slots[s as usize].lock.try_read()?);
-                pins.locked.push(s);
-                last = Some(s);
-            }
-            if !self.holds(SlotId(s), groups[i as usize]) {
-                return None;
-            }
             addrs[i as usize] = self.slot_device_ptr(SlotId(s))?;
         }
         self.count_device_hits(groups.len() as u64);
