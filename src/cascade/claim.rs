@@ -360,18 +360,22 @@ impl Cascade {
                         if st.slot_state[i] != SlotState::Resident {
                             continue;
                         }
+                        let Some(guard) = self.slots[i].lock.try_write() else {
+                            continue;
+                        };
+                        // Read under the write lock: a writer that pinned
+                        // the slot before may have made the group dirty
+                        // since it was looked up, and a group dirty in T1
+                        // is never written in place (a failed copy would
+                        // lose T1's only copy of it).
                         if self.slots[i].dirty.load(Ordering::Acquire) {
                             // Copy on write: a spare slot, the old one held.
                             if !free.spare_ready() {
                                 continue;
                             }
-                            let Some(guard) = self.slots[i].lock.try_write() else {
-                                continue;
-                            };
-                            let slot = free.take_spare();
                             Held {
                                 g,
-                                slot,
+                                slot: free.take_spare(),
                                 own: s,
                                 guard,
                                 spare: true,
@@ -380,9 +384,6 @@ impl Cascade {
                             if device && self.slot_device_ptr(s).is_none() {
                                 continue;
                             }
-                            let Some(guard) = self.slots[i].lock.try_write() else {
-                                continue;
-                            };
                             Held {
                                 g,
                                 slot: s,
