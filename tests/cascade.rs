@@ -1044,3 +1044,145 @@ fn device_restores_race_writers_that_reuse_slots() {
         assert_eq!(out, pattern(v, gb), "group {g}");
     }
 }
+
+/// The slot protocols side by side on a small T1 that evicts all the time:
+/// in-place claims (committed, or dropped as after a failed GPU copy),
+/// single and batched writes, device restores holding their slots a
+/// while, syncs and flushes. Each writer owns a third of the groups, so
+/// the last bytes given to each are known: nothing hangs, and every group
+/// reads back exactly those, before and after a final sync.
+#[test]
+fn claims_writes_restores_and_syncs_race() {
+    // T1 larger than the groups: free slots for claims, copies on write of
+    // dirty groups, clean groups written in place; then T1 a quarter of
+    // them: evictions all the time, claims mostly without a slot.
+    race_slot_protocols(40);
+    race_slot_protocols(8);
+}
+
+fn race_slot_protocols(slots: u64) {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+    let layout = small_layout();
+    let gb = layout.group_bytes() as usize;
+    let c = ready_cascade(layout, slots);
+    let groups = 30u64;
+    let last: Arc<Vec<AtomicU64>> = Arc::new((0..groups).map(|_| AtomicU64::new(0)).collect());
+    for g in 0..groups {
+        c.write(GroupIndex(g), 0, &pattern(g << 32, gb)).unwrap();
+        last[g as usize].store(g << 32, SeqCst);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let (c2, last2, stop2) = (c.clone(), last.clone(), stop.clone());
+    without_waiting(
+        "claims, writes, restores and syncs side by side",
+        move || {
+            let (c, last, stop) = (c2, last2, stop2);
+            // Owner `w`'s k-th group.
+            let owned = move |w: u64, k: u64| (k % (groups / 3)) * 3 + w;
+            std::thread::scope(|s| {
+                // Owner 0: single writes.
+                s.spawn(|| {
+                    let mut n = 0u64;
+                    while !stop.load(SeqCst) {
+                        n += 1;
+                        let g = owned(0, n * 7);
+                        c.write(GroupIndex(g), 0, &pattern(g << 32 | n, gb))
+                            .unwrap();
+                        last[g as usize].store(g << 32 | n, SeqCst);
+                    }
+                });
+                // Owner 1: in-place claims of 3 groups, one in five dropped.
+                s.spawn(|| {
+                    let mut n = 0u64;
+                    while !stop.load(SeqCst) {
+                        n += 1;
+                        let gs: Vec<GroupIndex> =
+                            (0..3).map(|k| GroupIndex(owned(1, n * 3 + k))).collect();
+                        let mut w = c.claim_slots(&gs, false);
+                        for (i, g) in gs.iter().enumerate() {
+                            if let Some(b) = w.bytes_mut(i) {
+                                b.copy_from_slice(&pattern(g.0 << 32 | n, gb));
+                            }
+                        }
+                        let (held, staged): (Vec<usize>, Vec<usize>) =
+                            (0..3).partition(|&i| w.has(i));
+                        if n % 5 != 0 {
+                            w.commit();
+                            for i in held {
+                                last[gs[i].0 as usize].store(gs[i].0 << 32 | n, SeqCst);
+                            }
+                        } else {
+                            drop(w);
+                        }
+                        // No slot: written once the claims are let go, as a GPU store
+                        // writes its staged groups (a writer holding claims could wait
+                        // on a sync that waits on them).
+                        for i in staged {
+                            let v = gs[i].0 << 32 | n;
+                            c.write(gs[i], 0, &pattern(v, gb)).unwrap();
+                            last[gs[i].0 as usize].store(v, SeqCst);
+                        }
+                    }
+                });
+                // Owner 2: batched writes.
+                s.spawn(|| {
+                    let mut n = 0u64;
+                    while !stop.load(SeqCst) {
+                        n += 1;
+                        let gs: Vec<GroupIndex> =
+                            (0..4).map(|k| GroupIndex(owned(2, n * 4 + k))).collect();
+                        let rs = c.write_groups(&gs, |k, dst| {
+                            dst.copy_from_slice(&pattern(gs[k].0 << 32 | n, gb));
+                            Ok(())
+                        });
+                        for (g, r) in gs.iter().zip(rs) {
+                            r.unwrap();
+                            last[g.0 as usize].store(g.0 << 32 | n, SeqCst);
+                        }
+                    }
+                });
+                // Device restores holding their slots a while.
+                s.spawn(|| {
+                    let mut n = 0u64;
+                    while !stop.load(SeqCst) {
+                        n += 1;
+                        let batch: Vec<GroupIndex> = (0..6)
+                            .map(|k| GroupIndex((n * 5 + k * 4) % groups))
+                            .collect();
+                        let (addrs, held, _busy) = c.pin_for_device(&batch);
+                        assert_eq!(addrs.len(), batch.len());
+                        std::thread::sleep(std::time::Duration::from_micros(100));
+                        drop(held);
+                    }
+                });
+                // Syncs and flushes.
+                s.spawn(|| {
+                    let mut n = 0u64;
+                    while !stop.load(SeqCst) {
+                        n += 1;
+                        match n % 4 {
+                            0 => c.sync_all().unwrap(),
+                            _ => c.flush(GroupIndex(n % groups)).unwrap(),
+                        }
+                        std::thread::sleep(std::time::Duration::from_micros(300));
+                    }
+                });
+                std::thread::sleep(std::time::Duration::from_millis(1500));
+                stop.store(true, SeqCst);
+            });
+        },
+    );
+    let mut out = vec![0u8; gb];
+    for round in ["before", "after"] {
+        for g in 0..groups {
+            c.read(GroupIndex(g), 0, &mut out).unwrap();
+            let v = last[g as usize].load(SeqCst);
+            assert_eq!(
+                out,
+                pattern(v, gb),
+                "group {g}, {round} the final sync, T1 of {slots} slots"
+            );
+        }
+        c.sync_all().unwrap();
+    }
+}
