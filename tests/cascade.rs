@@ -1106,7 +1106,7 @@ fn race_slot_protocols(slots: u64) {
                         }
                         let (held, staged): (Vec<usize>, Vec<usize>) =
                             (0..3).partition(|&i| w.has(i));
-                        if n % 5 != 0 {
+                        if !n.is_multiple_of(5) {
                             w.commit();
                             for i in held {
                                 last[gs[i].0 as usize].store(gs[i].0 << 32 | n, SeqCst);
