@@ -296,7 +296,6 @@ impl Cascade {
         drop(guard);
     }
 
-    // Kept whole: one pass under one state-lock acquisition, which a split would break up.
     /// Slots to write whole groups into in place (a GPU STORE writes them
     /// with one kernel launch, no host copy). Entry i gets a slot if its
     /// group is in T1 and clean (its own slot), or not in T1 while a free
@@ -310,6 +309,13 @@ impl Cascade {
     /// entry through `write_groups`. Because every group's old bytes stay
     /// in T1 or the backing, dropping the claims after a failed copy loses
     /// nothing. `groups` must be distinct and in range.
+    ///
+    /// Under the state lock: the look ups, the free slots (locked and
+    /// mapped for new groups; spares for groups that look dirty) and the
+    /// policy's updates. The slots of groups found in T1 are locked after
+    /// it, each checked under its lock to still hold its group, and its
+    /// dirty bit read there: so four stores in flight take turns on the
+    /// state lock for less, and lock their groups' slots side by side.
     pub fn claim_slots(&self, groups: &[GroupIndex], device: bool) -> SlotWrites<'_> {
         let mut w = SlotWrites {
             c: self,
@@ -318,6 +324,8 @@ impl Cascade {
             waited: Duration::ZERO,
         };
         let mut fresh = Vec::new();
+        // Groups found in T1: (entry, own slot, a spare if it looked dirty).
+        let mut found_at: Vec<(u32, SlotId, Option<SlotId>)> = Vec::with_capacity(groups.len());
         {
             let asked = std::time::Instant::now();
             let mut st = self.state.lock();
@@ -326,25 +334,19 @@ impl Cascade {
             if st.free.len() < groups.len() {
                 self.adopt_chunks(&mut st);
             }
-            // In three passes, so that no locked instruction (a full barrier
-            // on x86) stands between cache misses: every lookup first; then
-            // each slot's lock and pin, on slot words warmed beforehand;
-            // then the map and policy updates, plain stores whose misses
-            // overlap. Interleaved, each group's atomics waited for the
-            // previous group's missing stores: most of a claim's time.
+            // Every lookup first, then the free slots' locks on slot words
+            // warmed beforehand, then the map and policy updates, plain
+            // stores whose misses overlap: no locked instruction (a full
+            // barrier on x86) stands between cache misses.
             let found: Vec<Option<SlotId>> = st.map.get_many(groups);
-            // The slots the claims below will most likely take: each
-            // group's own, and the next free one for a new or dirty group.
+            // The slots taken below: the next free one for a new group or
+            // one that looks dirty.
+            let looks_dirty = |s: SlotId| self.slots[s.0 as usize].dirty.load(Ordering::Relaxed);
             let mut next_free = st.free.iter().rev();
-            self.warm_slots(found.iter().flat_map(|&at| {
-                let fresh = match at {
-                    Some(s) if !self.slots[s.0 as usize].dirty.load(Ordering::Relaxed) => None,
-                    _ => next_free.next().copied(),
-                };
-                at.into_iter().chain(fresh)
+            self.warm_slots(found.iter().filter_map(|&at| match at {
+                Some(s) if !looks_dirty(s) => None,
+                _ => next_free.next().copied(),
             }));
-            // Free slots are taken from the end of the free list, in order,
-            // until one is pinned or busy (then no more groups get one).
             let mut free = FreeTaker {
                 c: self,
                 free: &st.free,
@@ -354,81 +356,53 @@ impl Cascade {
             };
             for (i, (&g, at)) in groups.iter().zip(found).enumerate() {
                 debug_assert!(g.0 < self.layout.group_count());
-                let held = match at {
+                match at {
                     Some(s) => {
-                        let i = s.0 as usize;
-                        if st.slot_state[i] != SlotState::Resident {
+                        if st.slot_state[s.0 as usize] != SlotState::Resident {
                             continue;
                         }
-                        let Some(guard) = self.slots[i].lock.try_write() else {
-                            continue;
+                        // Settled under the slot's lock, after: a spare
+                        // taken here for a group that turns out clean
+                        // goes back.
+                        let spare = match looks_dirty(s) {
+                            true if !free.spare_ready() => continue,
+                            true => Some(free.take_spare()),
+                            false => None,
                         };
-                        // Read under the write lock: a writer that pinned
-                        // the slot before may have made the group dirty
-                        // since it was looked up, and a group dirty in T1
-                        // is never written in place (a failed copy would
-                        // lose T1's only copy of it).
-                        if self.slots[i].dirty.load(Ordering::Acquire) {
-                            // Copy on write: a spare slot, the old one held.
-                            if !free.spare_ready() {
-                                continue;
-                            }
-                            Held {
-                                g,
-                                slot: free.take_spare(),
-                                own: s,
-                                guard,
-                                spare: true,
-                            }
-                        } else {
-                            if device && self.slot_device_ptr(s).is_none() {
-                                continue;
-                            }
-                            Held {
-                                g,
-                                slot: s,
-                                own: s,
-                                guard,
-                                spare: false,
-                            }
-                        }
+                        found_at.push((i as u32, s, spare));
                     }
                     None => {
                         let Some((own, guard)) = free.take() else {
                             continue;
                         };
                         fresh.push(own);
-                        Held {
+                        w.of[i] = Some(w.held.len() as u32);
+                        w.held.push(Held {
                             g,
                             slot: own,
                             own,
                             guard,
                             spare: false,
-                        }
+                        });
                     }
-                };
-                w.of[i] = Some(w.held.len() as u32);
-                w.held.push(held);
+                }
             }
             let taken = free.taken;
             let left = st.free.len() - taken;
             st.free.truncate(left);
-            let mut fresh_at = 0;
             for h in &w.held {
-                // A dirty group's spare stays unmapped: its own slot is the
-                // one marked and touched.
-                let own = h.own;
-                if fresh.get(fresh_at) == Some(&own) {
-                    fresh_at += 1;
-                    self.install(&mut st, own, h.g);
-                } else {
-                    st.policy.touch(own);
-                }
-                self.slots[own.0 as usize]
+                self.install(&mut st, h.own, h.g);
+                self.slots[h.own.0 as usize]
                     .claimed
                     .store(true, Ordering::Release);
             }
+            // A dirty group's spare stays unmapped: its own slot is the one
+            // touched.
+            for &(_, s, _) in &found_at {
+                st.policy.touch(s);
+            }
         }
+        let spares = self.lock_found(groups, device, &found_at, &mut w);
         let gb = self.layout.group_bytes() as usize;
         if self.layout.stride() as usize > gb {
             let spare = w.held.iter().filter(|h| h.spare);
@@ -439,7 +413,65 @@ impl Cascade {
                 slot[gb..].fill(0);
             }
         }
+        self.free_spare(spares);
         w
+    }
+
+    /// `claim_slots`' second half, with the state lock gone: write-locks
+    /// the slots of the groups it found in T1, each only if it still holds
+    /// its group (nothing held it since the look up), and settles each
+    /// under its lock: dirty, a copy on write into the spare taken for it
+    /// (none taken: no slot); clean, written in place (its spare unused).
+    /// Returns the spares not used.
+    fn lock_found<'a>(
+        &'a self,
+        groups: &[GroupIndex],
+        device: bool,
+        found_at: &[(u32, SlotId, Option<SlotId>)],
+        w: &mut SlotWrites<'a>,
+    ) -> Vec<SlotId> {
+        let mut unused = Vec::new();
+        for k in 0..found_at.len() {
+            // Each try-lock is a full barrier: the slot a few entries on is
+            // asked for now, so its miss overlaps the locks between.
+            if let Some(&(_, a, _)) = found_at.get(k + 16) {
+                super::slotmap::prefetch(&self.slots[a.0 as usize]);
+            }
+            let (i, s, spare) = found_at[k];
+            let g = groups[i as usize];
+            let m = &self.slots[s.0 as usize];
+            let Some(guard) = m.lock.try_write().filter(|_| self.holds(s, g)) else {
+                unused.extend(spare);
+                continue;
+            };
+            // Read under the write lock: a writer may have made the group
+            // dirty, or a write-back clean, since the look up, and a group
+            // dirty in T1 is never written in place (a failed copy would
+            // lose T1's only copy of it).
+            let dirty = m.dirty.load(Ordering::Acquire);
+            let slot = match (dirty, spare) {
+                (true, Some(spare)) => spare,
+                (true, None) => continue,
+                (false, _) if device && self.slot_device_ptr(s).is_none() => {
+                    unused.extend(spare);
+                    continue;
+                }
+                (false, _) => {
+                    unused.extend(spare);
+                    s
+                }
+            };
+            m.claimed.store(true, Ordering::Release);
+            w.of[i as usize] = Some(w.held.len() as u32);
+            w.held.push(Held {
+                g,
+                slot,
+                own: s,
+                guard,
+                spare: dirty,
+            });
+        }
+        unused
     }
 }
 
