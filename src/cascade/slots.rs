@@ -4,14 +4,14 @@
 //! O_DIRECT, so write-back and fills go straight from and into slots); a
 //! slot is reachable (on the free list) only once its chunk has arrived.
 //! Copies run under a per-slot RwLock, taken by a thread that holds a pin
-//! on the slot, or with a try-lock under the state lock on a mapped slot
-//! (`claim_slots`' write locks), or by a GPU restore with neither (a
+//! on the slot, or with a try-lock under the state lock on a free slot it
+//! then maps (`claim_slots`), or with neither by a GPU restore or store (a
 //! try-lock on the slot a look up found, checked under that lock to still
 //! hold the group, let go at once where it does not); pins are only added
 //! under the state lock. So under that lock a free slot with no pins has
-//! no lock holder but, for a moment, such a restore's (a try-lock on it
-//! fails, and the claim takes another), and a resident slot only with no
-//! pins and no lock holder may be chosen as a victim. A copy out of a slot
+//! no lock holder but, for a moment, such a restore's or store's (a
+//! try-lock on it fails, and the claim takes another), and a resident slot
+//! only with no pins and no lock holder may be chosen as a victim. A copy out of a slot
 //! holds its read lock and a reuse needs its write lock, so a slot is
 //! never overwritten under a reader. A holder of several slot locks that
 //! waits for one takes those it waits for in ascending slot order, and a
