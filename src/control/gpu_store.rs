@@ -92,7 +92,7 @@ impl StoreChunk<'_> {
         let ts = Instant::now();
         let slots = distinct.then(|| cascade.claim_slots(&groups, true));
         let slots_us = ts.elapsed().as_micros() as u64;
-        let sort_us = (ts - t0).as_micros() as u64;
+        let distinct_us = (ts - t0).as_micros() as u64;
         let lock_wait_us = slots.as_ref().map_or(0, |w| w.waited().as_micros() as u64);
         let direct: Vec<Option<u64>> = (0..items.len())
             .map(|i| slots.as_ref().and_then(|w| w.device_addr(i)))
@@ -132,7 +132,7 @@ impl StoreChunk<'_> {
         let write_us = t2.elapsed().as_micros() as u64;
         let t4 = Instant::now();
         s.changed(&groups, &rs);
-        // Where a chunk's time goes: claiming T1 slots (sorting to find
+        // Where a chunk's time goes: claiming T1 slots (looking for
         // groups named twice, `claim_slots` itself and of that its wait
         // for the state lock, then describing), the copy (launch and
         // wait), committing the claimed slots, writing staged groups into
@@ -144,7 +144,7 @@ impl StoreChunk<'_> {
             in_place = items.len() - staged.len(),
             queued_us = self.queued_us,
             claim_us = (t1 - t0).as_micros() as u64,
-            sort_us,
+            distinct_us,
             slots_us,
             lock_wait_us,
             copy_us = (t2 - t1).as_micros() as u64,
