@@ -527,3 +527,67 @@ impl<'a> FreeTaker<'a, '_> {
         s
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cascade::slots::tests::two_resident;
+
+    /// `claim_slots`' second half settles each group found in T1 under its
+    /// slot's lock: a slot reused since the look up is let go (and the
+    /// spare taken for it given back); a dirty group is copied on write
+    /// into its spare, or left to the caller without one; a clean group is
+    /// written in place, its spare given back.
+    #[test]
+    fn a_claim_settles_found_groups_under_their_slots_locks() {
+        let (c, s0, s1) = two_resident();
+        let (g0, g1) = (GroupIndex(0), GroupIndex(1));
+        let spare = || c.state.lock().free.pop().unwrap();
+        let writes = |n: usize| SlotWrites {
+            c: &c,
+            of: vec![None; n],
+            held: Vec::new(),
+            waited: Duration::ZERO,
+        };
+        let unlocked = |s: SlotId| !c.slots[s.0 as usize].lock.is_locked();
+
+        // Group 0 looked up in slot 1 (reused since): let go.
+        let sp = spare();
+        let mut w = writes(1);
+        let unused = c.lock_found(&[g0], false, &[(0, s1, Some(sp))], &mut w);
+        assert_eq!((w.held(), unused), (0, vec![sp]));
+        assert!(unlocked(s1) && unlocked(s0));
+
+        // Dirty, with a spare: a copy on write into it; without: no slot.
+        let mut w = writes(2);
+        let unused = c.lock_found(
+            &[g0, g1],
+            false,
+            &[(0, s0, Some(sp)), (1, s1, None)],
+            &mut w,
+        );
+        assert!(unused.is_empty());
+        assert!(w.has(0) && !w.has(1));
+        assert_eq!(
+            (w.held[0].slot, w.held[0].own, w.held[0].spare),
+            (sp, s0, true)
+        );
+        assert!(unlocked(s1));
+        drop(w); // not committed: the spare goes to `spares`, slot 0 is let go
+        assert!(unlocked(s0));
+        assert_eq!(*c.spares.lock(), vec![sp]);
+
+        // Clean (written back), with a spare taken as it looked dirty: in
+        // place, the spare given back.
+        c.sync_all().unwrap();
+        let mut w = writes(1);
+        let unused = c.lock_found(&[g1], false, &[(0, s1, Some(sp))], &mut w);
+        assert_eq!(unused, vec![sp]);
+        assert_eq!(
+            (w.held[0].slot, w.held[0].own, w.held[0].spare),
+            (s1, s1, false)
+        );
+        assert!(c.slots[s1.0 as usize].claimed.load(Ordering::Acquire));
+        drop(w);
+    }
+}

@@ -470,6 +470,9 @@ impl Cascade {
         (addrs, pins, busy)
     }
 
+    /// How many entries ahead `lock_looked_up` asks for a slot's line.
+    const AHEAD: usize = 16;
+
     /// Looks `groups` up in T1 under one acquisition of the state lock
     /// (telling the policy of the hits), then, with the state lock gone,
     /// read-locks their slots with a try-lock each: the guard, the entries
@@ -482,9 +485,6 @@ impl Cascade {
     /// in flight take turns on it for that alone, and lock their slots side
     /// by side. With `all`, None (nothing held) as soon as a group is not
     /// in T1; otherwise groups not in T1 are left out.
-    /// How many entries ahead `lock_mapped` asks for a slot's line.
-    const AHEAD: usize = 16;
-
     fn lock_mapped(
         self: &Arc<Self>,
         groups: &[GroupIndex],
@@ -508,6 +508,18 @@ impl Cascade {
             }
             slots
         };
+        self.lock_looked_up(groups, &slots, all)
+    }
+
+    /// `lock_mapped`'s second half: read-locks `slots` (where `groups`
+    /// were found, nothing held since), each kept only if it still holds
+    /// its group.
+    fn lock_looked_up(
+        self: &Arc<Self>,
+        groups: &[GroupIndex],
+        slots: &[Option<SlotId>],
+        all: bool,
+    ) -> Option<(DevicePins, Vec<u64>, Vec<u64>)> {
         let mut pins = DevicePins {
             c: self.clone(),
             locked: Vec::with_capacity(groups.len()),
@@ -573,8 +585,66 @@ impl Cascade {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::sort_by_slot;
+    use crate::cascade::{Cascade, CascadeConfig, MetaTable, SlotId};
+    use crate::geometry::{Dtype, GroupIndex, GroupLayout};
+    use crate::tier::MemTier;
+    use std::sync::Arc;
+
+    /// A cascade of 4 groups' T1 over 8 groups, with groups 0 and 1
+    /// written (resident, dirty): it and their slots.
+    pub(in crate::cascade) fn two_resident() -> (Arc<Cascade>, SlotId, SlotId) {
+        let layout = GroupLayout::new(1, 4, 1, 16, 64, Dtype::Bf16).unwrap();
+        let c = Arc::new(
+            Cascade::new(
+                layout,
+                Box::new(MemTier::new(layout)),
+                MetaTable::anonymous(layout.group_count()).unwrap(),
+                CascadeConfig {
+                    t1_bytes: 4 * layout.stride(),
+                    ..CascadeConfig::default()
+                },
+            )
+            .unwrap(),
+        );
+        let gb = layout.group_bytes() as usize;
+        for g in 0..2u64 {
+            c.write(GroupIndex(g), 0, &vec![g as u8 + 1; gb]).unwrap();
+        }
+        let slot = |g| c.state.lock().map.get(&GroupIndex(g)).unwrap();
+        let (s0, s1) = (slot(0), slot(1));
+        (c, s0, s1)
+    }
+
+    /// A restore's look up found a group in a slot that holds another
+    /// group by the time it is locked (reused meanwhile): that slot is let
+    /// go at once and the group counts as not in T1; with `all`, nothing is
+    /// held. The entries whose slot holds their group stay locked until
+    /// the guard goes.
+    #[test]
+    fn a_restore_lets_go_of_a_slot_reused_since_the_look_up() {
+        let (c, s0, s1) = two_resident();
+        let (g0, g1) = (GroupIndex(0), GroupIndex(1));
+        let (pins, ready, busy) = c
+            .lock_looked_up(&[g0, g1], &[Some(s1), Some(s1)], false)
+            .unwrap();
+        assert_eq!(
+            ready,
+            vec![(s1.0 as u64) << 32 | 1],
+            "only group 1, in its own slot"
+        );
+        assert!(busy.is_empty());
+        assert_eq!(pins.locked, vec![s1.0], "one read lock, group 1's");
+        assert!(!c.slots[s0.0 as usize].lock.is_locked());
+        drop(pins);
+        assert!(!c.slots[s1.0 as usize].lock.is_locked());
+        assert!(
+            c.lock_looked_up(&[g1, g0], &[Some(s1), Some(s1)], true)
+                .is_none()
+        );
+        assert!(!c.slots[s1.0 as usize].lock.is_locked(), "nothing held");
+    }
 
     /// The radix sort orders by slot and keeps each slot's indexes in
     /// order, as a comparison sort of the whole entries does, for batches
