@@ -365,8 +365,10 @@ impl Cascade {
                         // taken here for a group that turns out clean
                         // goes back.
                         let spare = match looks_dirty(s) {
-                            true if !free.spare_ready() => continue,
-                            true => Some(free.take_spare()),
+                            true => match free.take_spare() {
+                                None => continue,
+                                spare => spare,
+                            },
                             false => None,
                         };
                         found_at.push((i as u32, s, spare));
@@ -514,17 +516,12 @@ impl<'a> FreeTaker<'a, '_> {
         Some((s, guard))
     }
 
-    /// Whether `take_spare` has a slot to give.
-    fn spare_ready(&mut self) -> bool {
-        self.next().is_some()
-    }
-
     /// The next free slot as a spare (see `Held::spare`): off the free
-    /// list, neither pinned nor locked; `spare_ready` said there is one.
-    fn take_spare(&mut self) -> SlotId {
-        let s = self.next().expect("spare_ready said so");
+    /// list, neither pinned nor locked; None (and none after) as `next`.
+    fn take_spare(&mut self) -> Option<SlotId> {
+        let s = self.next()?;
         self.taken += 1;
-        s
+        Some(s)
     }
 }
 

@@ -104,8 +104,9 @@ impl StoreChunk<'_> {
         let t1 = Instant::now();
         // SAFETY: every descriptor names a checked range of a
         // live CUDA region (the batch holds it) and either a
-        // staging slot or a T1 slot write-locked in `slots`
-        // until after the launch returns.
+        // staging slot or a T1 slot `slots` holds until after the
+        // launch returns (write-locked, or a spare nobody else can
+        // reach).
         if let Err(e) = unsafe { copy.launch(&descs) } {
             // Dropping `slots` gives back the claimed slots.
             tracing::error!("GPU store of ticket {ticket} failed: {e}");
@@ -130,7 +131,7 @@ impl StoreChunk<'_> {
             rs[i] = r;
         }
         let write_us = t2.elapsed().as_micros() as u64;
-        let t4 = Instant::now();
+        let t3 = Instant::now();
         s.changed(&groups, &rs);
         // Where a chunk's time goes: claiming T1 slots (looking for
         // groups named twice, `claim_slots` itself and of that its wait
@@ -150,7 +151,7 @@ impl StoreChunk<'_> {
             copy_us = (t2 - t1).as_micros() as u64,
             commit_us,
             write_us,
-            changed_us = t4.elapsed().as_micros() as u64,
+            changed_us = t3.elapsed().as_micros() as u64,
             "GPU store: chunk done"
         );
         rs
