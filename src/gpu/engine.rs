@@ -321,7 +321,8 @@ pub struct Store {
     staging: Option<HostBuf>,
     staging_dev: u64,
     stream: Option<Stream>,
-    event: PooledEvent,
+    /// One a part of a chunk (see `enqueue`).
+    events: Vec<PooledEvent>,
     pool: Arc<Pool>,
 }
 
@@ -540,8 +541,9 @@ impl Engine {
     /// as `bytes / unit` copies of `unit` bytes (pieces of rows), or as
     /// one copy whose source is laid out as `rows`: one chunk of at
     /// most STORE_CHUNK bytes of staging (slots `stride` apart), its
-    /// table, event and stream. All memory is taken here, on admission
-    /// (see `restore`); launches only enqueue and wait.
+    /// table and stream, and an event for each of up to `parts` launches
+    /// in flight at once. All memory is taken here, on admission (see
+    /// `restore`); launches only enqueue and wait.
     pub fn store(
         &self,
         n: usize,
@@ -549,6 +551,7 @@ impl Engine {
         stride: usize,
         unit: u64,
         rows: Option<Rows>,
+        parts: usize,
     ) -> Result<Store, String> {
         let c = self.pool.driver()?;
         let pool = &self.pool;
@@ -560,7 +563,9 @@ impl Engine {
             .ok_or("the descriptor table is not device-mapped")?;
         let staging = pool.take_staging(chunk * stride)?;
         let staging_dev = staging.device_ptr().ok_or("staging is not device-mapped")?;
-        let event = pool.take_event()?;
+        let events = (0..parts.max(1))
+            .map(|_| pool.take_event())
+            .collect::<Result<Vec<_>, _>>()?;
         let stream = pool.take_stream()?;
         // Nothing to wait for: the descriptors are written before each launch.
         drop(ReadyFlag::unarmed(table.as_ptr().cast::<u32>()));
@@ -577,7 +582,7 @@ impl Engine {
             staging: Some(staging),
             staging_dev,
             stream: Some(stream),
-            event,
+            events,
             pool: pool.clone(),
         })
     }
@@ -863,35 +868,53 @@ impl Store {
         &s.as_slice()[i * self.stride..][..self.bytes as usize]
     }
 
-    /// Runs the copies `descs` (at most `chunk` groups' worth, of `unit`
-    /// bytes each) and waits for them.
+    /// Launches the copies `descs` (of `unit` bytes each) from place `at`
+    /// of the table on, as part `part` (< the store's `parts`), without
+    /// waiting: `wait(part)` does. Parts run in the order launched; the
+    /// places of a chunk's parts in flight at once must not overlap, and
+    /// the last must end by `chunk` groups' worth.
     ///
     /// # Safety
     /// Every descriptor names `unit` readable device-visible bytes at
     /// `src` and writable ones at `dst` (in a staging slot, or memory the
-    /// caller holds for writing until this returns), 16-byte aligned.
-    pub unsafe fn launch(&mut self, descs: &[Descriptor]) -> Result<(), String> {
+    /// caller holds for writing until `wait(part)` returns), 16-byte
+    /// aligned; no part in flight used these places of the table.
+    pub unsafe fn enqueue(
+        &mut self,
+        part: usize,
+        at: usize,
+        descs: &[Descriptor],
+    ) -> Result<(), String> {
         assert!(
-            descs.len() <= self.chunk * self.per,
-            "a launch of at most chunk groups"
+            at + descs.len() <= self.chunk * self.per,
+            "a chunk of at most chunk groups"
         );
         let table = self.table.as_mut().expect("until dropped");
-        write_descriptors(table, descs.len(), descs.iter().copied());
+        write_descriptors_at(table, at, descs.len(), descs.iter().copied());
         // SAFETY: the table and staging live in `self` until it drops,
-        // after this wait; the descriptors, written above, are the
+        // after the wait; the descriptors, written above, are the
         // caller's contract.
         unsafe {
             self.c.enqueue_gather(
                 self.stream.as_ref().expect("until dropped"),
                 None,
-                self.table_dev + FLAG_BYTES as u64,
+                self.table_dev + (FLAG_BYTES + DESCRIPTOR_BYTES * at) as u64,
                 descs.len() as u32,
                 self.unit,
                 self.rows,
-                &self.event,
+                &self.events[part],
             )
         }
-        .and_then(|()| self.c.wait_event(&self.event))
+    }
+
+    /// Waits for part `part`'s copies (and every part launched before it).
+    pub fn wait(&self, part: usize) -> Result<(), String> {
+        self.c.wait_event(&self.events[part])
+    }
+
+    /// Parts a chunk may have in flight at once.
+    pub fn parts(&self) -> usize {
+        self.events.len()
     }
 }
 
