@@ -181,8 +181,9 @@ def correctness(kv, gb, dev):
     kv.unregister(r2)
     print(f"correctness: one store of {m} groups ({m * gb / 2**20:.1f} MiB, several staging launches) from "
           "scattered GPU memory, restored bit-identical")
-    # A restore (with KVFS_RESTORE_PART_GROUPS=on in the daemon, launched
-    # in parts of 256 groups on admission) whose last part is not in T1: the
+    # A restore (launched in parts of 256 groups on admission: the
+    # daemon's default one ticket at a time, or KVFS_RESTORE_PART_GROUPS=on
+    # in its environment) whose last part is not in T1: the
     # groups there were never written, so they restore as zeros, through
     # the executor, after the parts already launched. Then the other way
     # round: the first part not in T1, the rest T1-resident.

@@ -289,35 +289,63 @@ impl<F: Fn(usize) -> u64> Iterator for Pieces<'_, F> {
     }
 }
 
-/// Groups a part of a restore pinned on admission holds at least, where
-/// `KVFS_RESTORE_PART_GROUPS` turns parts on (`on`, `1`, or a size; off
-/// by default: on the H200 they sped one ticket at a time, 0.53× against
-/// 0.46×, but slowed 4 in flight through the ring, 0.84× against 0.90×):
+/// Groups a part of a restore pinned on admission holds at least:
 /// 256 groups of 16 KiB are ~75 µs of copy, longer than looking up,
 /// pinning and describing the next 256.
 const RESTORE_PART_GROUPS: usize = 256;
 /// Parts such a restore is launched in at most.
 const RESTORE_PARTS_MAX: usize = 8;
 
-/// The least groups a part holds as environment variable `var` sets it:
-/// unset, 0 or not a number, 0 (parts off, the default); `on` or `1`,
-/// `on_groups`; else the number given.
-fn part_groups(var: &str, on_groups: usize) -> usize {
-    match std::env::var(var).as_deref() {
-        Ok("on") | Ok("1") => on_groups,
-        Ok(v) => v.parse().unwrap_or(0),
-        Err(_) => 0,
+/// When a restore pinned on admission is launched in parts
+/// (`KVFS_RESTORE_PART_GROUPS`): by default (`auto`) only when no other
+/// ticket of its lane is copying, as one ticket at a time (parts of
+/// RESTORE_PART_GROUPS): on the H200 parts sped one ticket at a time
+/// (0.53× of one big copy against 0.46×) but slowed 4 in flight through
+/// the ring (0.84× against 0.90×; the lane runs the parts' small launches
+/// one after another). `on` or `1`: always; a number: always, parts of at
+/// least that many groups; `off` or 0: never.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum PartsWhen {
+    Idle(usize),
+    Always(usize),
+    Never,
+}
+
+impl PartsWhen {
+    fn parse(v: Option<&str>) -> PartsWhen {
+        match v {
+            None | Some("auto") => PartsWhen::Idle(RESTORE_PART_GROUPS),
+            Some("on") | Some("1") => PartsWhen::Always(RESTORE_PART_GROUPS),
+            Some(v) => match v.parse() {
+                Ok(0) | Err(_) => PartsWhen::Never,
+                Ok(n) => PartsWhen::Always(n),
+            },
+        }
+    }
+
+    /// The parts a restore of `n` groups pinned on admission is launched
+    /// in, with `busy` other tickets of its lane copying.
+    fn parts(self, n: usize, busy: usize) -> usize {
+        let least = match self {
+            PartsWhen::Idle(g) if busy == 0 => g,
+            PartsWhen::Always(g) => g,
+            _ => return 1,
+        };
+        (n / least).clamp(1, RESTORE_PARTS_MAX)
     }
 }
 
-/// The parts a restore of `n` groups pinned on admission is launched in.
-fn restore_parts(n: usize) -> usize {
-    static LEAST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let least = *LEAST.get_or_init(|| part_groups("KVFS_RESTORE_PART_GROUPS", RESTORE_PART_GROUPS));
-    if least == 0 || copy_mode() == CopyMode::Engines {
+/// The parts a restore of `n` groups pinned on admission is launched in,
+/// `busy` other tickets of its lane copying (see `PartsWhen`).
+fn restore_parts(n: usize, busy: usize) -> usize {
+    static WHEN: std::sync::OnceLock<PartsWhen> = std::sync::OnceLock::new();
+    let when = *WHEN.get_or_init(|| {
+        PartsWhen::parse(std::env::var("KVFS_RESTORE_PART_GROUPS").ok().as_deref())
+    });
+    if copy_mode() == CopyMode::Engines {
         return 1;
     }
-    (n / least).clamp(1, RESTORE_PARTS_MAX)
+    when.parts(n, busy)
 }
 
 /// What `restore_in_parts` did.
@@ -382,7 +410,10 @@ impl Session {
         // the lane, and each is let go before the lane is: no copy on the
         // lane waits for a job.
         let groups: Vec<GroupIndex> = work.items.iter().map(|it| it.g).collect();
-        let parts = restore_parts(n);
+        let parts = match n <= PIN_ON_ADMISSION_MAX {
+            true => restore_parts(n, self.lane(&gpu).busy()),
+            false => 1,
+        };
         if n <= PIN_ON_ADMISSION_MAX && parts > 1 {
             match self.restore_in_parts(&gpu, &work, &groups, parts, shape, timing)? {
                 Parted::Done(reply) => return Ok(reply),
@@ -419,7 +450,8 @@ impl Session {
                 resident_us,
                 "GPU restore of pinned T1 groups on the copy engines"
             );
-            self.release_after(&gpu, ticket, n, pins, move || copy.finish());
+            let on_lane = self.lane(&gpu).enter();
+            self.release_after(&gpu, ticket, n, (pins, on_lane), move || copy.finish());
             return Ok(reply);
         }
         // Described before it is enqueued: no flag to wait on.
@@ -448,7 +480,7 @@ impl Session {
             launch_us = launched_us - resident_us - runs_us,
             "GPU restore of pinned T1 groups by the kernel"
         );
-        self.release_after(&gpu, ticket, n, pins, move || copy.finish());
+        self.release_after(&gpu, ticket, n, (pins, lane.enter()), move || copy.finish());
         Ok(reply)
     }
 
@@ -548,7 +580,8 @@ impl Session {
             first_us,
             "GPU restore of pinned T1 groups by the kernel, in parts"
         );
-        self.release_after(gpu, ticket, n, held, move || copy.finish());
+        let on_lane = self.lane(gpu).enter();
+        self.release_after(gpu, ticket, n, (held, on_lane), move || copy.finish());
         Ok(Parted::Done(reply))
     }
 
@@ -766,6 +799,24 @@ impl Session {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Parts by default only on an idle lane; `on`, a size, `off` as the
+    /// variable says; never more than RESTORE_PARTS_MAX, never below one.
+    #[test]
+    fn restore_parts_follow_the_lane_and_the_variable() {
+        let auto = PartsWhen::parse(None);
+        assert_eq!(auto, PartsWhen::parse(Some("auto")));
+        assert_eq!(auto.parts(1024, 0), 4);
+        assert_eq!(auto.parts(1024, 1), 1);
+        assert_eq!(auto.parts(100, 0), 1);
+        assert_eq!(auto.parts(2048, 0), RESTORE_PARTS_MAX);
+        let on = PartsWhen::parse(Some("on"));
+        assert_eq!((on.parts(1024, 0), on.parts(1024, 3)), (4, 4));
+        assert_eq!(PartsWhen::parse(Some("128")).parts(1024, 2), 8);
+        for off in ["off", "0", "x"] {
+            assert_eq!(PartsWhen::parse(Some(off)).parts(2048, 0), 1, "{off}");
+        }
+    }
 
     /// `pieces` makes, entry by entry and row by row, the copies a plain
     /// nested loop makes: contiguous entries, rows, skipped entries (slot

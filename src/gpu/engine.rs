@@ -26,7 +26,7 @@
 use super::HostBuf;
 use super::cuda::{Cuda, IpcEvent, Rows, Stream};
 use parking_lot::{Mutex, MutexGuard};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 /// Pooled buffers kept per kind.
@@ -267,6 +267,17 @@ impl Engines {
 pub struct Lane {
     stream: Mutex<Option<Stream>>,
     pool: Arc<Pool>,
+    /// Tickets on the lane whose copy is not yet done (see `enter`).
+    busy: Arc<AtomicUsize>,
+}
+
+/// A ticket counted on its lane until dropped (after its copy is done).
+pub struct OnLane(Arc<AtomicUsize>);
+
+impl Drop for OnLane {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Release);
+    }
 }
 
 /// A held lane: enqueues on it stay in the order they are made while it
@@ -277,6 +288,17 @@ pub struct LaneGuard<'a>(MutexGuard<'a, Option<Stream>>);
 impl Lane {
     pub fn lock(&self) -> LaneGuard<'_> {
         LaneGuard(self.stream.lock())
+    }
+
+    /// Counts a ticket on the lane until the guard drops.
+    pub fn enter(&self) -> OnLane {
+        self.busy.fetch_add(1, Ordering::Acquire);
+        OnLane(self.busy.clone())
+    }
+
+    /// Tickets on the lane whose copy is not yet done.
+    pub fn busy(&self) -> usize {
+        self.busy.load(Ordering::Acquire)
     }
 }
 
@@ -360,6 +382,7 @@ impl Engine {
         Lane {
             stream: Mutex::new(None),
             pool: self.pool.clone(),
+            busy: Arc::default(),
         }
     }
 
