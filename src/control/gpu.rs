@@ -348,18 +348,6 @@ fn restore_parts(n: usize, busy: usize) -> usize {
     when.parts(n, busy)
 }
 
-/// Whether restores resolved by an executor job copy one after another,
-/// each waiting for its fd's one before (`KVFS_RESTORE_CHAIN`, on by
-/// default; `off`: side by side, each on a stream of its own, as before).
-/// Side by side, the four tickets in flight of a client shared the bus and
-/// finished together, and the bus idled while the next four were looked
-/// up; one after another, each finishes a copy's time after the one
-/// before, and its successor is looked up while the rest copy.
-fn chain() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KVFS_RESTORE_CHAIN").as_deref() != Ok("off"))
-}
-
 /// What `restore_in_parts` did.
 enum Parted {
     /// Every part launched: the ticket's reply.
@@ -616,16 +604,6 @@ impl Session {
         let skip = held.as_ref().map_or(0, |h| h.done);
         let n = work.len() - skip;
         let groups = groups[skip..].to_vec();
-        // The copy waits for the parts launched already, and (chained, the
-        // default) for this fd's restore before it on this path.
-        let lane = chain().then(|| self.lane(&gpu));
-        let before = lane.as_ref().and_then(|l| l.last());
-        let after: Vec<&crate::gpu::cuda::IpcEvent> = held
-            .as_ref()
-            .map(|h| &***h.copy.event())
-            .into_iter()
-            .chain(before.as_deref().map(|e| &**e))
-            .collect();
         let mut copy = gpu
             .restore(
                 n * shape.per,
@@ -635,12 +613,9 @@ impl Session {
                 shape.kernel_rows(true),
                 None,
                 None,
-                &after,
+                held.as_ref().map(|h| &***h.copy.event()),
             )
             .map_err(restore_failed)?;
-        if let Some(l) = &lane {
-            l.set_last(copy.event());
-        }
         let (ticket, reply) = self.gpu_ticket(copy.event());
         let s = self.clone();
         let started = Instant::now();
@@ -737,21 +712,14 @@ impl Session {
         Ok(reply)
     }
 
-    /// This fd's ordered lane for restores on `gpu`'s device.
+    /// This fd's ordered lane on `gpu`'s device.
     fn lane(&self, gpu: &Engine) -> Arc<Lane> {
-        self.lane_of(gpu, false)
-    }
-
-    /// This fd's ordered lane on `gpu`'s device for restores, or with
-    /// `store`, for stores.
-    pub(super) fn lane_of(&self, gpu: &Engine, store: bool) -> Arc<Lane> {
-        let key = (gpu.device(), store);
         let mut lanes = self.lanes.lock();
-        if let Some((_, l)) = lanes.iter().find(|(k, _)| *k == key) {
+        if let Some((_, l)) = lanes.iter().find(|(d, _)| *d == gpu.device()) {
             return l.clone();
         }
         let l = Arc::new(gpu.lane());
-        lanes.push((key, l.clone()));
+        lanes.push((gpu.device(), l.clone()));
         l
     }
 

@@ -45,16 +45,6 @@ fn groups_a_part(bytes: usize, stride: usize, per_chunk: usize) -> usize {
     }
 }
 
-/// Whether a fd's GPU stores copy on one ordered stream of its own, one
-/// part after another in the order launched (`KVFS_STORE_LANE`, on by
-/// default; `off`: a stream a ticket, side by side). Side by side, a
-/// client's tickets in flight shared the bus and finished together, so
-/// the bus idled while the next ones claimed their slots.
-fn one_lane() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KVFS_STORE_LANE").as_deref() != Ok("off"))
-}
-
 impl Session {
     /// A STORE from CUDA regions, at most a chunk of the engine's staging
     /// per chunk, each chunk launched in parts on one thread: a part's
@@ -79,7 +69,6 @@ impl Session {
                 shape.unit,
                 shape.kernel_rows(false),
                 per_chunk.div_ceil(per_part),
-                one_lane().then(|| self.lane_of(&engine, true)),
             )
             .map_err(|e| {
                 reject(

@@ -154,9 +154,6 @@ impl SessionState {
     }
 }
 
-/// A lane's key: (CUDA device, for stores).
-pub(super) type LaneKey = (i32, bool);
-
 /// One open control fd.
 pub struct Session {
     pub(super) ctl: Arc<Control>,
@@ -164,12 +161,11 @@ pub struct Session {
     pub(super) gid: u32,
     pub(super) may_write: bool,
     pub(super) st: Mutex<SessionState>,
-    /// This fd's ordered streams, one a device for GPU restores of
-    /// T1-resident batches and one for GPU stores (keyed (device, store)):
-    /// their copies run in submission order, so the oldest ticket
-    /// finishes first and a client keeping a few tickets in flight always
-    /// has queued work behind the one it waits for.
-    pub(super) lanes: Mutex<Vec<(LaneKey, Arc<Lane>)>>,
+    /// This fd's ordered streams (one a device) for GPU restores of
+    /// T1-resident batches: their copies run in submission order, so the
+    /// oldest ticket finishes first and a client keeping a few tickets in
+    /// flight always has queued work behind the one it waits for.
+    pub(super) lanes: Mutex<Vec<(i32, Arc<Lane>)>>,
 }
 
 impl Session {

@@ -269,9 +269,6 @@ pub struct Lane {
     pool: Arc<Pool>,
     /// Tickets on the lane whose copy is not yet done (see `enter`).
     busy: Arc<AtomicUsize>,
-    /// The event of the last restore this lane's owner sent to the
-    /// executor (see `chain`).
-    last_later: Mutex<Option<Arc<PooledEvent>>>,
 }
 
 /// A ticket counted on its lane until dropped (after its copy is done).
@@ -302,19 +299,6 @@ impl Lane {
     /// Tickets on the lane whose copy is not yet done.
     pub fn busy(&self) -> usize {
         self.busy.load(Ordering::Acquire)
-    }
-
-    /// The event of the last restore the lane's owner enqueued on a
-    /// stream of its own (`set_last`): the next such restore's copy waits
-    /// on it, so they copy one after another, in order, as the lane's
-    /// do, not side by side.
-    pub fn last(&self) -> Option<Arc<PooledEvent>> {
-        self.last_later.lock().clone()
-    }
-
-    /// Makes `event` the last (see `last`).
-    pub fn set_last(&self, event: &Arc<PooledEvent>) {
-        *self.last_later.lock() = Some(event.clone());
     }
 }
 
@@ -358,9 +342,7 @@ pub struct Store {
     table_dev: u64,
     staging: Option<HostBuf>,
     staging_dev: u64,
-    /// The store's own stream, or (None) its owner's `lane`'s.
     stream: Option<Stream>,
-    lane: Option<Arc<Lane>>,
     /// One a part of a chunk (see `enqueue`).
     events: Vec<PooledEvent>,
     pool: Arc<Pool>,
@@ -401,7 +383,6 @@ impl Engine {
             stream: Mutex::new(None),
             pool: self.pool.clone(),
             busy: Arc::default(),
-            last_later: Mutex::new(None),
         }
     }
 
@@ -425,7 +406,7 @@ impl Engine {
         rows: Option<Rows>,
         lane: Option<&mut LaneGuard<'_>>,
         descs: Option<&mut dyn Iterator<Item = Descriptor>>,
-        after: &[&IpcEvent],
+        after: Option<&IpcEvent>,
     ) -> Result<Restore, String> {
         let c = self.pool.driver()?;
         let pool = &self.pool;
@@ -476,8 +457,8 @@ impl Engine {
             },
             (None, None) => unreachable!("a stream was taken above"),
         };
-        for e in after {
-            c.stream_wait_event(stream, e)?;
+        if let Some(after) = after {
+            c.stream_wait_event(stream, after)?;
         }
         // SAFETY: the table holds FLAG_BYTES + DESCRIPTOR_BYTES × n bytes
         // (take_table), device-mapped; it lives in `r` until the event
@@ -522,7 +503,16 @@ impl Engine {
         mut descs: impl Iterator<Item = Descriptor>,
     ) -> Result<Restore, String> {
         let stride = bytes as usize;
-        self.restore(n, bytes, stride, 0, rows, Some(lane), Some(&mut descs), &[])
+        self.restore(
+            n,
+            bytes,
+            stride,
+            0,
+            rows,
+            Some(lane),
+            Some(&mut descs),
+            None,
+        )
     }
 
     /// A restore of `n` copies of `bytes` each (known in parts: pinned
@@ -574,11 +564,9 @@ impl Engine {
     /// as `bytes / unit` copies of `unit` bytes (pieces of rows), or as
     /// one copy whose source is laid out as `rows`: one chunk of at
     /// most STORE_CHUNK bytes of staging (slots `stride` apart), its
-    /// table, and an event for each of up to `parts` launches in flight at
-    /// once; its copies run on `lane` (in order with the lane's other
-    /// copies) or, with None, on a stream of its own. All memory is taken
-    /// here, on admission (see `restore`); launches only enqueue and wait.
-    #[expect(clippy::too_many_arguments, reason = "one store, all its parts")]
+    /// table and stream, and an event for each of up to `parts` launches
+    /// in flight at once. All memory is taken here, on admission (see
+    /// `restore`); launches only enqueue and wait.
     pub fn store(
         &self,
         n: usize,
@@ -587,7 +575,6 @@ impl Engine {
         unit: u64,
         rows: Option<Rows>,
         parts: usize,
-        lane: Option<Arc<Lane>>,
     ) -> Result<Store, String> {
         let c = self.pool.driver()?;
         let pool = &self.pool;
@@ -602,10 +589,7 @@ impl Engine {
         let events = (0..parts.max(1))
             .map(|_| pool.take_event())
             .collect::<Result<Vec<_>, _>>()?;
-        let stream = match lane {
-            Some(_) => None,
-            None => Some(pool.take_stream()?),
-        };
+        let stream = pool.take_stream()?;
         // Nothing to wait for: the descriptors are written before each launch.
         drop(ReadyFlag::unarmed(table.as_ptr().cast::<u32>()));
         Ok(Store {
@@ -620,8 +604,7 @@ impl Engine {
             table_dev,
             staging: Some(staging),
             staging_dev,
-            stream,
-            lane,
+            stream: Some(stream),
             events,
             pool: pool.clone(),
         })
@@ -931,21 +914,12 @@ impl Store {
         );
         let table = self.table.as_mut().expect("until dropped");
         write_descriptors_at(table, at, descs.len(), descs.iter().copied());
-        let mut held = self.lane.as_ref().map(|l| l.lock());
-        let stream = match (&self.stream, &mut held) {
-            (Some(s), _) => s,
-            (None, Some(LaneGuard(slot))) => match &mut **slot {
-                Some(s) => s,
-                slot => slot.insert(self.pool.take_stream()?),
-            },
-            (None, None) => unreachable!("a store has a stream or a lane"),
-        };
         // SAFETY: the table and staging live in `self` until it drops,
         // after the wait; the descriptors, written above, are the
         // caller's contract.
         unsafe {
             self.c.enqueue_gather(
-                stream,
+                self.stream.as_ref().expect("until dropped"),
                 None,
                 self.table_dev + (FLAG_BYTES + DESCRIPTOR_BYTES * at) as u64,
                 descs.len() as u32,
