@@ -20,6 +20,9 @@ pub struct Cuda {
     pub name: String,
     /// Devices the driver reports.
     pub count: i32,
+    /// The NUMA node the device hangs off, where the machine has several
+    /// (sysfs): pinned memory is taken there (see `alloc_pinned`).
+    pub numa_node: Option<u32>,
     /// kvfs_gather and kvfs_gather_rows, loaded once in this context.
     gather: OnceLock<Result<[Kernel; 2], String>>,
 }
@@ -120,8 +123,83 @@ fn open_device(device: i32, count: i32) -> Result<Cuda, String> {
         device,
         name,
         count,
+        numa_node: numa_node_of(dev),
         gather: OnceLock::new(),
     })
+}
+
+/// The NUMA node of device `dev` (its PCI function's `numa_node` in
+/// sysfs) where the machine has more than one node and
+/// `KVFS_T1_NUMA` is not `off`; else None.
+fn numa_node_of(dev: sys::CUdevice) -> Option<u32> {
+    if std::env::var("KVFS_T1_NUMA").as_deref() == Ok("off") {
+        return None;
+    }
+    let nodes = std::fs::read_dir("/sys/devices/system/node")
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("node"))
+        .count();
+    if nodes < 2 {
+        return None;
+    }
+    let mut id = [0 as std::ffi::c_char; 32];
+    // SAFETY: a buffer of the length given; dev came from device::get.
+    let r = unsafe { sys::cuDeviceGetPCIBusId(id.as_mut_ptr(), id.len() as i32, dev) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    // SAFETY: the driver wrote a NUL-terminated string into id.
+    let id = unsafe { std::ffi::CStr::from_ptr(id.as_ptr()) }
+        .to_string_lossy()
+        .to_lowercase();
+    let node = std::fs::read_to_string(format!("/sys/bus/pci/devices/{id}/numa_node")).ok()?;
+    // -1: the platform does not say.
+    u32::try_from(node.trim().parse::<i32>().ok()?).ok()
+}
+
+/// This thread's memory policy while it lives: pages it faults in come
+/// from `node` first (MPOL_PREFERRED), then anywhere; back to the default
+/// policy on drop.
+struct PreferNode(bool);
+
+impl PreferNode {
+    const MPOL_DEFAULT: libc::c_long = 0;
+    const MPOL_PREFERRED: libc::c_long = 1;
+
+    fn new(node: Option<u32>) -> PreferNode {
+        let Some(node) = node.filter(|&n| n < 1024) else {
+            return PreferNode(false);
+        };
+        let mut mask = [0u64; 16];
+        mask[node as usize / 64] |= 1 << (node % 64);
+        // SAFETY: a mask of 1024 bits; the kernel reads maxnode - 1 bits.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_set_mempolicy,
+                Self::MPOL_PREFERRED,
+                mask.as_ptr(),
+                1025usize,
+            )
+        };
+        PreferNode(r == 0)
+    }
+}
+
+impl Drop for PreferNode {
+    fn drop(&mut self) {
+        if self.0 {
+            // SAFETY: the default policy takes no mask.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_set_mempolicy,
+                    Self::MPOL_DEFAULT,
+                    std::ptr::null::<u64>(),
+                    0usize,
+                )
+            };
+        }
+    }
 }
 
 fn init() -> Result<Cuda, String> {
@@ -144,9 +222,12 @@ pub fn cuda() -> Option<&'static Cuda> {
     CUDA.get_or_init(|| match init() {
         Ok(c) => {
             tracing::info!(
-                "CUDA device {} ({}): T1 and staging buffers are pinned",
+                "CUDA device {} ({}): T1 and staging buffers are pinned{}",
                 c.device,
-                c.name
+                c.name,
+                c.numa_node
+                    .map(|n| format!(", on NUMA node {n} (the device's)"))
+                    .unwrap_or_default()
             );
             Some(c)
         }
@@ -215,9 +296,14 @@ impl Cuda {
             .map_err(|e| format!("cannot bind the CUDA context: {e:?}"))
     }
 
-    /// Pinned, portable, device-mapped host memory: (host pointer, device pointer).
+    /// Pinned, portable, device-mapped host memory: (host pointer, device
+    /// pointer). On a machine of several NUMA nodes, taken from the
+    /// device's node where it has room: the gather kernel reads T1 across
+    /// PCIe, and reads from another node's memory cross the link between
+    /// the sockets too.
     pub fn alloc_pinned(&self, len: usize) -> Result<(*mut u8, u64), String> {
         self.bind()?;
+        let _near = PreferNode::new(self.numa_node);
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: a fresh allocation of len bytes; released by free_pinned.
         let p = quietly(|| unsafe { result::malloc_host(len, flags) })
