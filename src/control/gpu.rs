@@ -410,8 +410,9 @@ impl Session {
         // the lane, and each is let go before the lane is: no copy on the
         // lane waits for a job.
         let groups: Vec<GroupIndex> = work.items.iter().map(|it| it.g).collect();
+        let lane = self.lane(&gpu);
         let parts = match n <= PIN_ON_ADMISSION_MAX {
-            true => restore_parts(n, self.lane(&gpu).busy()),
+            true => restore_parts(n, lane.busy()),
             false => 1,
         };
         if n <= PIN_ON_ADMISSION_MAX && parts > 1 {
@@ -438,7 +439,7 @@ impl Session {
         if let Some(runs) = self.engine_runs(&gpu, &work, items, &addrs, gb, shape.engine_unit()) {
             let n_runs = runs.len();
             let copy = gpu
-                .copy_runs(runs, &mut self.lane(&gpu).lock())
+                .copy_runs(runs, &mut lane.lock())
                 .map_err(restore_failed)?;
             let (ticket, reply) = self.gpu_ticket(copy.event());
             tracing::debug!(
@@ -450,13 +451,11 @@ impl Session {
                 resident_us,
                 "GPU restore of pinned T1 groups on the copy engines"
             );
-            let on_lane = self.lane(&gpu).enter();
-            self.release_after(&gpu, ticket, n, (pins, on_lane), move || copy.finish());
+            self.release_after(&gpu, ticket, n, (pins, lane.enter()), move || copy.finish());
             return Ok(reply);
         }
         // Described before it is enqueued: no flag to wait on.
         let runs_us = checked.elapsed().as_micros() as u64 - resident_us;
-        let lane = self.lane(&gpu);
         let copy = gpu
             .restore_now(
                 n * per,
@@ -521,8 +520,8 @@ impl Session {
         // Declared before `copy`, so dropped after it: a failure below
         // waits (copy's drop) for the parts launched before the pins go.
         let mut held = vec![pins];
-        let lane = self.lane(gpu);
-        let mut lane = lane.lock();
+        let on = self.lane(gpu);
+        let mut lane = on.lock();
         let mut copy = gpu
             .restore_parts(
                 n * shape.per,
@@ -580,8 +579,7 @@ impl Session {
             first_us,
             "GPU restore of pinned T1 groups by the kernel, in parts"
         );
-        let on_lane = self.lane(gpu).enter();
-        self.release_after(gpu, ticket, n, (held, on_lane), move || copy.finish());
+        self.release_after(gpu, ticket, n, (held, on.enter()), move || copy.finish());
         Ok(Parted::Done(reply))
     }
 

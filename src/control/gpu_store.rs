@@ -182,14 +182,16 @@ impl StoreChunk<'_> {
             let slots = distinct.then(|| cascade.claim_slots(&groups[at.clone()], true));
             spent.slots_us += ts.elapsed().as_micros() as u64;
             spent.lock_wait_us += slots.as_ref().map_or(0, |w| w.waited().as_micros() as u64);
-            let direct = |k: usize| slots.as_ref().and_then(|w| w.device_addr(k));
+            let direct: Vec<Option<u64>> = (0..at.len())
+                .map(|k| slots.as_ref().and_then(|w| w.device_addr(k)))
+                .collect();
             // Admission made every region of a CUDA batch a CUDA region
             // and checked offset + group_bytes inside it.
-            let slot_at = |k: usize| direct(k).unwrap_or(copy.staging_addr(at.start + k));
+            let slot_at = |k: usize| direct[k].unwrap_or(copy.staging_addr(at.start + k));
             let part_items = &items[at.clone()];
             let descs: Vec<Descriptor> =
                 pieces(work, part_items, gb, shape.piece(), slot_at, false).collect();
-            staged.extend(at.clone().filter(|&i| direct(i - at.start).is_none()));
+            staged.extend(at.clone().filter(|&i| direct[i - at.start].is_none()));
             spent.claim_us += ts.elapsed().as_micros() as u64;
             // SAFETY: every descriptor names a checked range of a live
             // CUDA region (the batch holds it) and either a staging slot
