@@ -48,7 +48,7 @@ for rep in $(seq 1 "$reps"); do
       env "${env_args[@]}" "$bin" mount $mnt --backing $back "${geo[@]}" >/dev/null || exit 1
       echo "== run $rep, $name, $sz KiB groups ${envs:+($envs)}"
       timeout -k 5 170 python3 tools/gpu_e2e.py $mnt --batch $batch --inflight 4 --rounds 128 --ring 2>&1 \
-        | grep -vE "^(registered|stored|restore)|CudaIPCTypes" | tail -18
+        | grep -vE "^(registered|stored|restore)|CudaIPCTypes" | tail -19
       [ -n "${OUT:-}" ] && cp $back/kvfs.log "$OUT/ab_${rep}_${name}_$sz.log"
       pkill -9 -f "mount $mnt"; sleep 1; umount -l $mnt 2>/dev/null; rm -rf $back
     done

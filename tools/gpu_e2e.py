@@ -293,6 +293,33 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
             prev = t
         kv.wait(prev, timeout=WAIT_S)
 
+    def ticket_latency(on_stream):
+        # One ticket's latency, from sending the RESTORE until the waiter
+        # sees the copy landed: a host waiting on the ticket's IPC event,
+        # or (on_stream) a GPU stream waiting on it (stream.wait_event, as
+        # an engine's compute stream does), seen when an event recorded on
+        # that stream after the wait completes. Each ticket is collected
+        # (WAIT) after, outside the time.
+        side = torch.cuda.Stream(dev)
+        lat = []
+        for b in batches:
+            t0 = time.perf_counter()
+            t = kv.restore(b, wait=False)
+            h = t.ipc_event_handle
+            ev = ipc_events.get(h)
+            if ev is None:
+                ev = ipc_events[h] = torch.cuda.Event.from_ipc_handle(dev, h)
+            if on_stream:
+                side.wait_event(ev)
+                done = torch.cuda.Event()
+                done.record(side)
+                done.synchronize()
+            else:
+                ev.synchronize()
+            lat.append((time.perf_counter() - t0) * 1e6)
+            kv.wait(t, timeout=WAIT_S)
+        return statistics.median(lat)
+
     def median(fn):
         # Each figure is the median of `reps` runs: one run is a few tens of
         # milliseconds, short enough for host scheduling noise to show.
@@ -315,6 +342,7 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
     t_sync = median(one_at_a_time)
     one_at_a_time_event()  # warm: the events opened
     t_sync_ev = median(one_at_a_time_event)
+    lat_host, lat_stream = ticket_latency(False), ticket_latency(True)
     ring_fig = None
     if use_ring:
         # The same batches through the session's ring: submissions through
@@ -447,6 +475,9 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
           f"waiting for the oldest ticket {per_call['wait']:.0f} us)")
     print(f"  kvfs restore, one ticket at a time     {gbps(t_sync):7.2f} GB/s  ({gbps(t_sync) / base:.2f})  (waiting through WAIT)")
     print(f"    waiting on each ticket's IPC event   {gbps(t_sync_ev):7.2f} GB/s  ({gbps(t_sync_ev) / base:.2f})  (as an engine waits)")
+    print(f"    one ticket, sent until seen landed: {lat_host:.0f} us by a host waiting on its IPC event, "
+          f"{lat_stream:.0f} us by a GPU stream waiting on it (medians; its bytes take {batch * gb / base / 1e3:.0f} us "
+          f"at the baseline, {t_pipe / rounds * 1e6:.0f} us a ticket at {inflight} in flight)")
     if ring_fig is not None:
         tp, t1, us = ring_fig
         print(f"  through the ring, {inflight} in flight         {gbps(tp):7.2f} GB/s  ({gbps(tp) / base:.2f})"
