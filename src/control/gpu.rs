@@ -44,20 +44,6 @@ enum CopyMode {
 /// executor pins several tickets' groups at once: bigger batches go there
 /// (on the gather kernel).
 const PIN_ON_ADMISSION_MAX: usize = 2048;
-/// The largest RESTORE pinned on admission when no other ticket of its
-/// fd is running (one ticket at a time): in parts (see `PartsWhen`), so
-/// the copy starts after the first part's lookups, not the whole batch's.
-/// With others running, admission's pinning would hold up their
-/// submissions, so bigger batches go to the executor.
-const PIN_ON_ADMISSION_ALONE_MAX: usize = 4096;
-
-/// Whether a RESTORE of `n` groups is pinned on admission (in parts if
-/// `restore_parts` says so; else by the executor): up to
-/// PIN_ON_ADMISSION_MAX always, up to PIN_ON_ADMISSION_ALONE_MAX when
-/// `alone` (asked only then: no ticket of its fd running, its lane idle).
-fn pins_on_admission(n: usize, alone: impl FnOnce() -> bool) -> bool {
-    n <= PIN_ON_ADMISSION_MAX || (n <= PIN_ON_ADMISSION_ALONE_MAX && alone())
-}
 
 /// Auto mode's average run for the copy engines: shorter runs go faster
 /// through the gather kernel.
@@ -418,20 +404,18 @@ impl Session {
         // Admission's checks of every entry (admit_io), before this call.
         let checks_us = (checked - admitted).as_micros() as u64;
         let timing = (admitted, checks_us);
-        // A batch all in T1 (and of at most PIN_ON_ADMISSION_MAX groups,
-        // or PIN_ON_ADMISSION_ALONE_MAX with no other ticket of the fd
-        // running) is pinned here, looked up once, needs no staging, and
-        // goes on the fd's ordered lane. Only such batches use
+        // A batch all in T1 (and of at most PIN_ON_ADMISSION_MAX groups)
+        // is pinned here, looked up once, needs no staging, and goes on the
+        // fd's ordered lane. Only such batches use
         // the lane, and each is let go before the lane is: no copy on the
         // lane waits for a job.
         let groups: Vec<GroupIndex> = work.items.iter().map(|it| it.g).collect();
         let lane = self.lane(&gpu);
-        let busy = lane.busy();
-        let parts = match pins_on_admission(n, || busy == 0 && !self.any_running()) {
-            true => restore_parts(n, busy),
+        let parts = match n <= PIN_ON_ADMISSION_MAX {
+            true => restore_parts(n, lane.busy()),
             false => 1,
         };
-        if parts > 1 {
+        if n <= PIN_ON_ADMISSION_MAX && parts > 1 {
             match self.restore_in_parts(&gpu, &work, &groups, parts, shape, timing)? {
                 Parted::Done(reply) => return Ok(reply),
                 Parted::NotInT1 => {
@@ -830,29 +814,6 @@ mod tests {
         for off in ["off", "0", "x"] {
             assert_eq!(PartsWhen::parse(Some(off)).parts(2048, 0), 1, "{off}");
         }
-    }
-
-    /// Batches up to 2048 groups are pinned on admission whatever else
-    /// runs; up to 4096 only alone (and only then is that asked); larger
-    /// ones never.
-    #[test]
-    fn big_restores_are_pinned_on_admission_only_alone() {
-        let asked = std::cell::Cell::new(0);
-        let ask = |alone: bool| {
-            let asked = &asked;
-            move || {
-                asked.set(asked.get() + 1);
-                alone
-            }
-        };
-        assert!(pins_on_admission(2048, ask(false)));
-        assert_eq!(asked.get(), 0);
-        assert!(pins_on_admission(4096, ask(true)));
-        assert!(!pins_on_admission(4096, ask(false)));
-        assert!(!pins_on_admission(4097, ask(true)));
-        assert_eq!(asked.get(), 2);
-        // Alone, a 4096-group batch goes in the most parts.
-        assert_eq!(PartsWhen::parse(None).parts(4096, 0), RESTORE_PARTS_MAX);
     }
 
     /// `pieces` makes, entry by entry and row by row, the copies a plain

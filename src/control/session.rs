@@ -567,16 +567,6 @@ impl Session {
         }
     }
 
-    /// Whether any ticket of this fd is still running (one ticket at a
-    /// time, a new one finds none).
-    pub(super) fn any_running(&self) -> bool {
-        self.st
-            .lock()
-            .tickets
-            .values()
-            .any(|t| matches!(t, Ticket::Running))
-    }
-
     pub(super) fn new_ticket(&self) -> u64 {
         let mut st = self.st.lock();
         st.next_ticket += 1;
