@@ -19,7 +19,10 @@ if [ "${SKIP_TESTS:-0}" = 0 ]; then echo "== unit and GPU tests"
 ./.devbin/cascade 2>&1 | grep -E "test result|FAILED|panicked" -A8
 RUST_LOG=info ./.devbin/gpu --ignored --nocapture --test-threads 1 2>&1 | grep -vE "^$"
 fi
-pkill -9 -f gpu_e2e; pkill -9 -f kvfs-bin; for m in k16 k4 kg; do umount -l /mnt/$m 2>/dev/null; done; sleep 1; rm -rf /tmp/b16 /tmp/b4 /tmp/bg
+# Leftovers of a run cut short: daemons by process name and e2e clients
+# by their command's start, never a caller whose command line merely
+# names them (pkill -f kvfs-bin would kill `bash -c '... .devbin/kvfs-bin ...'`).
+pkill -9 -f "^python3 tools/gpu_e2e.py"; pkill -9 -x kvfs-bin; for m in k16 k4 kg; do umount -l /mnt/$m 2>/dev/null; done; sleep 1; rm -rf /tmp/b16 /tmp/b4 /tmp/bg
 # Debug lines time each GPU restore (admission, pinning, copy) and each GPU
 # store chunk (claiming slots, the copy, writing staged groups): LOG=debug.
 export RUST_LOG=info${LOG:+,kvfs::control=$LOG,kvfs::gpu=$LOG}
