@@ -794,3 +794,88 @@ fn entries_named_in_a_region_and_their_refusals() {
     // And the fd still serves.
     assert_eq!(c.hello().unwrap().0, 1);
 }
+
+/// Done words (RESTORE arg0 bits 16–31) are for restores into CUDA
+/// regions of a fd that registered them: a RESTORE into a host region
+/// naming one is refused and loses nothing, a STORE cannot name one, and
+/// REGISTER refuses done words that are not a CUDA allocation. (The GPU
+/// side, the word written after the copy, is checked by tools/gpu_e2e.py.)
+#[test]
+fn done_words_are_refused_where_they_cannot_be_written() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(BIG);
+    let c = Client::open(&m.mp).unwrap();
+    let data = ShmRegion::new(4 * GB as u64);
+    data.write(0, &pattern(5, GB));
+    let rd = c.register_host_region(&data.path(), data.len).unwrap();
+    let k = key(1);
+    let entry = wire::IoEntry::new(
+        wire::RawKey {
+            layer: k.layer,
+            block: k.block,
+            head: k.head,
+            kind: k.kind as u32,
+        },
+        rd,
+        0,
+    );
+    let t = c.store(&[(k, rd, 0)]).unwrap();
+    c.wait(t, None).unwrap();
+    let with_done = |r: Request| {
+        let mut b = wire::encode_request(&r);
+        b[16..24].copy_from_slice(&(1u64 << wire::DONE_WORD_SHIFT).to_le_bytes());
+        c.ioctl_bytes(&b, 1024).unwrap()
+    };
+    let r = with_done(Request::Restore(vec![entry]));
+    assert!(
+        r.status as i32 == libc::EINVAL && r.message.contains("done word"),
+        "{}",
+        r.message
+    );
+    let r = with_done(Request::Store(vec![entry]));
+    assert!(
+        r.status as i32 == libc::EINVAL && r.message.contains("done word"),
+        "{}",
+        r.message
+    );
+    // Flag 2 alone: not a CUDA allocation.
+    let r = c
+        .ioctl_bytes(
+            &wire::encode_request(&Request::Register {
+                path: data.path().as_os_str().as_encoded_bytes().to_vec(),
+                len: 64,
+                flags: wire::REGISTER_DONE_WORDS,
+            }),
+            1024,
+        )
+        .unwrap();
+    assert!(
+        r.status as i32 == libc::EINVAL && r.message.contains("done words"),
+        "{}",
+        r.message
+    );
+    // Flags 3 with no CUDA allocation behind them (no driver here: ENODEV;
+    // with one, the handle does not open).
+    let r = c
+        .ioctl_bytes(
+            &wire::encode_request(&Request::Register {
+                path: vec![0; wire::CUDA_REGISTER_BYTES],
+                len: 64,
+                flags: wire::REGISTER_CUDA | wire::REGISTER_DONE_WORDS,
+            }),
+            1024,
+        )
+        .unwrap();
+    assert!(
+        [libc::ENODEV, libc::EINVAL].contains(&(r.status as i32)),
+        "{}: {}",
+        r.status,
+        r.message
+    );
+    // Nothing was lost, and a plain restore still works.
+    let t = c.restore(&[(k, rd, GB as u64)]).unwrap();
+    c.wait(t, None).unwrap();
+    assert_eq!(data.read(GB as u64, GB), pattern(5, GB));
+}

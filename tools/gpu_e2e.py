@@ -31,6 +31,7 @@ from kvfs import Kvfs  # noqa: E402
 
 
 WAIT_S = 60  # a ticket that takes longer than this is a failure, not a wait
+DONE_WORDS = True  # --no-done-words: leave done words out (check and figure)
 STORE_CHUNK = 16 << 20  # the daemon's staging per GPU store launch (gpu::engine::STORE_CHUNK)
 
 
@@ -160,10 +161,37 @@ def correctness(kv, gb, dev):
         flipped = back.view(n, gb).flip(0).reshape(-1)
         same = torch.equal(flipped, expect)
     assert same, "restored bytes differ (compared on a stream that waited on the IPC event)"
-    kv.unregister(region)
-    kv.unregister(r2)
     print(f"correctness: {n} groups of {gb} B stored from and restored into GPU memory, bit-identical; "
           "the comparing stream waited on the ticket's IPC event")
+    # Done words: the same restore (in order now) names done word 1; a
+    # stream waits on the word, compares, and records an event, all before
+    # the host learns anything of the ticket. Then word 1 again, for the
+    # next ticket.
+    words = torch.zeros(4, dtype=torch.int64, device=dev)
+    rw = kv.register_done_words(words) if DONE_WORDS else None
+    for rep in range(2 if DONE_WORDS else 0):
+        back.zero_()
+        torch.cuda.synchronize()
+        t = kv.restore([k + (r2, i * gb) for i, k in enumerate(keys)], wait=False, done_word=1)
+        kv.wait_done_word(s, t, 1)
+        with torch.cuda.stream(s):
+            same = (back == expect).all()
+            seen = torch.cuda.Event()
+            seen.record(s)
+        until = time.time() + WAIT_S
+        while not seen.query():
+            assert time.time() < until, "a stream waiting on its done word never went on"
+            time.sleep(0.001)
+        assert bool(same), "restored bytes differ (compared on a stream that waited on the done word)"
+        assert int(words[1]) == int(t), (int(words[1]), int(t))
+        kv.wait(t, timeout=WAIT_S)
+    if rw is not None:
+        kv.unregister(rw)
+    kv.unregister(region)
+    kv.unregister(r2)
+    if DONE_WORDS:
+        print("correctness: the same restore twice naming done word 1: a stream that waited on the word "
+              "(not the IPC event) saw the bytes, and the word held each ticket")
     # A store larger than the daemon's 16 MiB staging runs in several
     # launches: scattered sources (reverse order), read back in order.
     m = min(2 * (STORE_CHUNK // gb) + 3, kv.layout["t1_slots"] // 2, kv.layout["groups"])
@@ -293,7 +321,10 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
             prev = t
         kv.wait(prev, timeout=WAIT_S)
 
-    def ticket_latency(on_stream):
+    words = torch.zeros(1, dtype=torch.int64, device=dev)
+    rw = kv.register_done_words(words) if DONE_WORDS else None
+
+    def ticket_latency(on_stream, word=False):
         # One ticket's latency, from sending the RESTORE until the waiter
         # sees the copy landed: a host waiting on the ticket's IPC event,
         # or (on_stream) a GPU stream waiting on it (stream.wait_event, as
@@ -304,12 +335,17 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
         lat = []
         for b in batches:
             t0 = time.perf_counter()
-            t = kv.restore(b, wait=False)
+            t = kv.restore(b, wait=False, done_word=0 if word else None)
             h = t.ipc_event_handle
             ev = ipc_events.get(h)
             if ev is None:
                 ev = ipc_events[h] = torch.cuda.Event.from_ipc_handle(dev, h)
-            if on_stream:
+            if word:
+                kv.wait_done_word(side, t, 0)
+                done = torch.cuda.Event()
+                done.record(side)
+                done.synchronize()
+            elif on_stream:
                 side.wait_event(ev)
                 done = torch.cuda.Event()
                 done.record(side)
@@ -343,6 +379,7 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
     one_at_a_time_event()  # warm: the events opened
     t_sync_ev = median(one_at_a_time_event)
     lat_host, lat_stream = ticket_latency(False), ticket_latency(True)
+    lat_word = ticket_latency(True, word=True) if rw is not None else None
     ring_fig = None
     if use_ring:
         # The same batches through the session's ring: submissions through
@@ -478,6 +515,8 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
     print(f"    one ticket, sent until seen landed: {lat_host:.0f} us by a host waiting on its IPC event, "
           f"{lat_stream:.0f} us by a GPU stream waiting on it (medians; its bytes take {batch * gb / base / 1e3:.0f} us "
           f"at the baseline, {t_pipe / rounds * 1e6:.0f} us a ticket at {inflight} in flight)")
+    if lat_word is not None:
+        print(f"    one ticket, sent until seen landed by a GPU stream waiting on its done word: {lat_word:.0f} us")
     if ring_fig is not None:
         tp, t1, us = ring_fig
         print(f"  through the ring, {inflight} in flight         {gbps(tp):7.2f} GB/s  ({gbps(tp) / base:.2f})"
@@ -522,6 +561,8 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
             print(f"  kvfs restore, all misses (backing)     {batch * gb / t_miss / 1e9:7.2f} GB/s  (one batch)")
         kv.unregister(rb)
     kv.unregister(rs)
+    if rw is not None:
+        kv.unregister(rw)
     kv.unregister(rd)
     # The best way an engine can submit: the ring where it was measured.
     best = t_pipe if ring_fig is None else min(t_pipe, ring_fig[0])
@@ -572,7 +613,11 @@ def main():
     ap.add_argument("--pitch", type=int, default=0, help="bytes from one row to the next (default 2 x --row)")
     ap.add_argument("--ring", action="store_true",
                     help="also restore the same batches through the session's submission/completion ring")
+    ap.add_argument("--no-done-words", action="store_true",
+                    help="leave out the done-word check and latency figure (a daemon without them)")
     a = ap.parse_args()
+    global DONE_WORDS
+    DONE_WORDS = not a.no_done_words
     dev = torch.device("cuda", 0)
     with Kvfs(a.mount) as kv:
         gb = kv.layout["group_bytes"]

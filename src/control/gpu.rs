@@ -16,6 +16,7 @@
 //! left) land in staging and are written into T1 after.
 
 use super::admit::{Batch, Item};
+use super::done::DoneWord;
 use super::session::Session;
 use super::wire::{Command, NO_ENTRY, Reply};
 use super::{Rejection, reject};
@@ -358,7 +359,7 @@ enum Parted {
     /// nothing launched): the whole batch goes to the copy engines.
     Runs,
     /// The first `done` entries launched; the rest not all in T1.
-    Rest(Held),
+    Rest(Box<Held>),
 }
 
 /// The parts of a restore launched already, and their pins.
@@ -387,12 +388,39 @@ impl Session {
     /// in T1 pinned and let go at once (copy engines or kernel), its slots
     /// released by the engine's completion thread after the copy; any
     /// other resolved and released by an executor job.
+    ///
+    /// Its ticket is taken first (a done word's value is the ticket
+    /// number, written by the copy's stream), and taken back if the
+    /// RESTORE is refused.
     pub(super) fn submit_gpu_restore(
         self: &Arc<Session>,
         work: Batch,
         admitted: Instant,
+        done: Option<u16>,
     ) -> Result<Reply, Rejection> {
         crate::gpu::cuda::cuda().ok_or_else(no_driver)?;
+        let ticket = self.new_ticket();
+        let r = match done {
+            Some(w) => self
+                .claim_done_word(w, ticket, work.cuda_device())
+                .and_then(|d| self.gpu_restore(work, admitted, ticket, Some(d))),
+            None => self.gpu_restore(work, admitted, ticket, None),
+        };
+        if r.is_err() {
+            self.forget_ticket(ticket);
+        }
+        r
+    }
+
+    /// `submit_gpu_restore` with its ticket (and done word) taken.
+    fn gpu_restore(
+        self: &Arc<Session>,
+        work: Batch,
+        admitted: Instant,
+        ticket: u64,
+        mut done: Option<DoneWord>,
+    ) -> Result<Reply, Rejection> {
+        let signal = done.as_ref().map(|d| (d.addr, ticket));
         let gpu = self.ctl.gpu.on(work.cuda_device());
         let n = work.len();
         let layout = self.ctl.cascade.layout();
@@ -416,13 +444,24 @@ impl Session {
             false => 1,
         };
         if n <= PIN_ON_ADMISSION_MAX && parts > 1 {
-            match self.restore_in_parts(&gpu, &work, &groups, parts, shape, timing)? {
+            let parted = self.restore_in_parts(
+                &gpu,
+                &work,
+                &groups,
+                parts,
+                shape,
+                timing,
+                (ticket, &mut done),
+            )?;
+            match parted {
                 Parted::Done(reply) => return Ok(reply),
                 Parted::NotInT1 => {
-                    return self.restore_later(gpu, work, groups, shape, None, timing);
+                    let t = (ticket, done);
+                    return self.restore_later(gpu, work, groups, shape, None, timing, t);
                 }
                 Parted::Rest(held) => {
-                    return self.restore_later(gpu, work, groups, shape, Some(held), timing);
+                    let t = (ticket, done);
+                    return self.restore_later(gpu, work, groups, shape, Some(*held), timing, t);
                 }
                 Parted::Runs => {}
             }
@@ -432,16 +471,17 @@ impl Session {
             false => None,
         };
         let Some((addrs, pins)) = pinned else {
-            return self.restore_later(gpu, work, groups, shape, None, timing);
+            let t = (ticket, done);
+            return self.restore_later(gpu, work, groups, shape, None, timing, t);
         };
         let resident_us = checked.elapsed().as_micros() as u64;
         let items = &work.items;
         if let Some(runs) = self.engine_runs(&gpu, &work, items, &addrs, gb, shape.engine_unit()) {
             let n_runs = runs.len();
             let copy = gpu
-                .copy_runs(runs, &mut lane.lock())
+                .copy_runs(runs, &mut lane.lock(), signal)
                 .map_err(restore_failed)?;
-            let (ticket, reply) = self.gpu_ticket(copy.event());
+            let reply = self.gpu_reply(ticket, copy.event());
             tracing::debug!(
                 ticket,
                 n,
@@ -451,7 +491,8 @@ impl Session {
                 resident_us,
                 "GPU restore of pinned T1 groups on the copy engines"
             );
-            self.release_after(&gpu, ticket, n, (pins, lane.enter()), move || copy.finish());
+            let held = (pins, lane.enter(), done);
+            self.release_after(&gpu, ticket, n, held, move || copy.finish());
             return Ok(reply);
         }
         // Described before it is enqueued: no flag to wait on.
@@ -463,10 +504,11 @@ impl Session {
                 shape.kernel_rows(true),
                 &mut lane.lock(),
                 pieces(&work, items, gb, shape.piece(), |i| addrs[i], true),
+                signal,
             )
             .map_err(restore_failed)?;
         let launched_us = checked.elapsed().as_micros() as u64;
-        let (ticket, reply) = self.gpu_ticket(copy.event());
+        let reply = self.gpu_reply(ticket, copy.event());
         // Where admission's time goes: checks, pins, the look at the
         // copy engines' runs, descriptors and launch, the ticket.
         tracing::debug!(
@@ -479,7 +521,8 @@ impl Session {
             launch_us = launched_us - resident_us - runs_us,
             "GPU restore of pinned T1 groups by the kernel"
         );
-        self.release_after(&gpu, ticket, n, (pins, lane.enter()), move || copy.finish());
+        let held = (pins, lane.enter(), done);
+        self.release_after(&gpu, ticket, n, held, move || copy.finish());
         Ok(reply)
     }
 
@@ -490,6 +533,7 @@ impl Session {
     /// batch's (one ticket at a time, those lookups were a third of a
     /// ticket's time). A part not all in T1 hands the rest of the batch
     /// to `restore_later`, whose copy waits for the parts launched.
+    #[expect(clippy::too_many_arguments, reason = "one restore, all its parts")]
     fn restore_in_parts(
         self: &Arc<Session>,
         gpu: &Arc<Engine>,
@@ -498,6 +542,7 @@ impl Session {
         parts: usize,
         shape: Shape,
         (admitted, checks_us): (Instant, u64),
+        (ticket, done): (u64, &mut Option<DoneWord>),
     ) -> Result<Parted, Rejection> {
         let cascade = &self.ctl.cascade;
         let n = work.len();
@@ -528,6 +573,7 @@ impl Session {
                 shape.unit,
                 shape.kernel_rows(true),
                 &mut lane,
+                done.as_ref().map(|d| (d.addr, ticket)),
             )
             .map_err(restore_failed)?;
         let mut next = Some(addrs);
@@ -563,13 +609,13 @@ impl Session {
                 launched,
                 "GPU restore in parts: the rest is not all in T1"
             );
-            return Ok(Parted::Rest(Held {
+            return Ok(Parted::Rest(Box::new(Held {
                 done: launched,
                 pins: held,
                 copy,
-            }));
+            })));
         }
-        let (ticket, reply) = self.gpu_ticket(copy.event());
+        let reply = self.gpu_reply(ticket, copy.event());
         tracing::debug!(
             ticket,
             n,
@@ -579,7 +625,8 @@ impl Session {
             first_us,
             "GPU restore of pinned T1 groups by the kernel, in parts"
         );
-        self.release_after(gpu, ticket, n, (held, on.enter()), move || copy.finish());
+        let held = (held, on.enter(), done.take());
+        self.release_after(gpu, ticket, n, held, move || copy.finish());
         Ok(Parted::Done(reply))
     }
 
@@ -588,6 +635,7 @@ impl Session {
     /// now on a stream of its own behind a flag the job sets, waits for
     /// `held`'s parts (the batch's first `done` entries, launched
     /// already) too, so the ticket's event covers the whole batch.
+    #[expect(clippy::too_many_arguments, reason = "one restore, all its parts")]
     fn restore_later(
         self: &Arc<Session>,
         gpu: Arc<Engine>,
@@ -596,6 +644,7 @@ impl Session {
         shape: Shape,
         held: Option<Held>,
         (admitted, checks_us): (Instant, u64),
+        (ticket, done): (u64, Option<DoneWord>),
     ) -> Result<Reply, Rejection> {
         let layout = self.ctl.cascade.layout();
         let (gb, stride) = (layout.group_bytes(), layout.stride() as usize);
@@ -612,9 +661,10 @@ impl Session {
                 None,
                 None,
                 held.as_ref().map(|h| &***h.copy.event()),
+                done.as_ref().map(|d| (d.addr, ticket)),
             )
             .map_err(restore_failed)?;
-        let (ticket, reply) = self.gpu_ticket(copy.event());
+        let reply = self.gpu_reply(ticket, copy.event());
         let s = self.clone();
         let started = Instant::now();
         tracing::debug!(
@@ -680,7 +730,6 @@ impl Session {
                     "GPU restore: descriptors ready"
                 );
                 copy.start();
-                let done = s.clone();
                 gpu.then(Box::new(move || {
                     // This copy waited for the parts launched before it.
                     let r = copy.finish();
@@ -703,7 +752,9 @@ impl Session {
                     }
                     drop(pins);
                     all.extend(results);
-                    done.complete(Command::Restore, ticket, started, all);
+                    s.complete(Command::Restore, ticket, started, all);
+                    // Written by the copy's stream, before the event.
+                    drop(done);
                 }));
             }),
         );
@@ -721,14 +772,13 @@ impl Session {
         l
     }
 
-    /// A new ticket of a GPU restore and its reply, which carries the
+    /// The reply of GPU restore `ticket`, which carries the
     /// ticket's IPC event (kept for the ticket until it is collected).
-    fn gpu_ticket(&self, event: &Arc<PooledEvent>) -> (u64, Reply) {
-        let ticket = self.new_ticket();
+    fn gpu_reply(&self, ticket: u64, event: &Arc<PooledEvent>) -> Reply {
         let mut reply = Reply::ok(Command::Restore, ticket);
         reply.message = format!("ipc_event={}", event.handle_hex());
         self.st.lock().events.insert(ticket, event.clone());
-        (ticket, reply)
+        reply
     }
 
     /// Completes a restore of pinned T1 groups on the engine's completion

@@ -25,6 +25,7 @@ impl Session {
         self: &Arc<Session>,
         cmd: Command,
         entries: &[IoEntry],
+        done: Option<u16>,
     ) -> Result<Reply, Rejection> {
         let admitted = Instant::now();
         if cmd == Command::Store && !self.may_write {
@@ -38,9 +39,16 @@ impl Session {
             ));
         }
         let work = self.admit_io(cmd, entries)?;
+        if done.is_some() && !work.is_cuda() {
+            return Err(reject(
+                libc::EINVAL,
+                NO_ENTRY,
+                "a done word is for a RESTORE into CUDA regions (a host waits with WAIT or the ring)",
+            ));
+        }
         if work.is_cuda() {
             return match cmd {
-                Command::Restore => self.submit_gpu_restore(work, admitted),
+                Command::Restore => self.submit_gpu_restore(work, admitted, done),
                 _ => self.submit_gpu_store(work),
             };
         }

@@ -17,6 +17,7 @@
 //! `fs` adapts it.
 
 mod admit;
+mod done;
 mod exec;
 mod gpu;
 mod gpu_store;

@@ -309,7 +309,15 @@ impl Ring {
             let count = u32::from_le_bytes(b[12..16].try_into().expect("4 bytes"));
             let (arg0, arg1) = (u64_at(16), u64_at(24));
             match Self::request(command, count, arg0, arg1) {
-                Ok(req) => s.ring_submit(&self, user_data, req),
+                Ok(req) => {
+                    let done = wire::done_word(&wire::Header {
+                        command: command as u16,
+                        count,
+                        arg0,
+                        arg1,
+                    });
+                    s.ring_submit(&self, user_data, req, done)
+                }
                 Err(rj) => self.post(Cqe {
                     user_data,
                     ticket: 0,

@@ -64,6 +64,10 @@ pub(super) struct SessionState {
     /// Tickets submitted through the ring -> their user_data: collected
     /// by a completion entry when they end.
     ring_tickets: HashMap<u64, u64>,
+    /// This fd's done words (REGISTER flags 3): region id and region.
+    pub(super) done_words: Option<(u32, Arc<Region>)>,
+    /// Done words in use -> the running ticket that will write them.
+    pub(super) done_busy: HashMap<u16, u64>,
 }
 
 impl SessionState {
@@ -229,7 +233,7 @@ impl Session {
                     let deadline = self.deadline(timeout_ms);
                     Out::Wait { ticket, deadline }
                 }
-                Ok(r) => Out::Ready(self.handle(r).encode()),
+                Ok(r) => Out::Ready(self.handle(r, done_word_of(req)).encode()),
                 Err(e) => Out::Ready(
                     Reply::error(
                         u16::from_le_bytes([req[6], req[7]]),
@@ -327,7 +331,7 @@ impl Session {
                     None => st.waiters.push((ticket, deadline, cb)),
                 }
             }
-            Ok(r) => cb(self.handle(r)),
+            Ok(r) => cb(self.handle(r, done_word_of(req))),
             Err(e) => {
                 let cmd = if req.len() >= 8 {
                     u16::from_le_bytes([req[6], req[7]])
@@ -422,8 +426,9 @@ impl Session {
         a[cmd as usize].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Handles every request but WAIT.
-    fn handle(self: &Arc<Session>, r: Request) -> Reply {
+    /// Handles every request but WAIT; `done`: the done word a RESTORE
+    /// names (see `wire::done_word`).
+    fn handle(self: &Arc<Session>, r: Request, done: Option<u16>) -> Reply {
         let cmd = match &r {
             Request::Hello => Command::Hello,
             Request::Register { .. } => Command::Register,
@@ -442,15 +447,17 @@ impl Session {
             Request::Register { path, len, flags } => self.register(&path, len, flags),
             Request::Unregister { region } => self.unregister(region),
             Request::Restore(e) | Request::RestoreStrided(e) => {
-                self.submit_io(Command::Restore, &e)
+                self.submit_io(Command::Restore, &e, done)
             }
-            Request::Store(e) | Request::StoreStrided(e) => self.submit_io(Command::Store, &e),
+            Request::Store(e) | Request::StoreStrided(e) => {
+                self.submit_io(Command::Store, &e, None)
+            }
             Request::RestoreFrom(at) => self
                 .entries_from(at)
-                .and_then(|e| self.submit_io(Command::Restore, &e)),
+                .and_then(|e| self.submit_io(Command::Restore, &e, done)),
             Request::StoreFrom(at) => self
                 .entries_from(at)
-                .and_then(|e| self.submit_io(Command::Store, &e)),
+                .and_then(|e| self.submit_io(Command::Store, &e, None)),
             Request::Query(k) => self.query(&k),
             Request::Prefetch(k) => self.prefetch(&k),
             Request::Ring {
@@ -474,19 +481,32 @@ impl Session {
         let region = match flags {
             0 => Region::map_host(payload, len, self.uid, self.gid)?,
             wire::REGISTER_CUDA => Region::open_cuda(payload, len)?,
+            f if f == wire::REGISTER_CUDA | wire::REGISTER_DONE_WORDS => {
+                return self.register_done_words(payload, len);
+            }
             _ => {
                 return Err(reject(
                     libc::EINVAL,
                     NO_ENTRY,
-                    format!("unknown REGISTER flags {flags:#x} (0 = host file)"),
+                    format!(
+                        "unknown REGISTER flags {flags:#x} (0 = host file, 1 = CUDA allocation, 3 = CUDA done words)"
+                    ),
                 ));
             }
         };
+        Ok(Reply::ok(
+            Command::Register,
+            self.add_region(Arc::new(region)) as u64,
+        ))
+    }
+
+    /// Enters a region in this fd's table: its id.
+    pub(super) fn add_region(&self, region: Arc<Region>) -> u32 {
         let mut st = self.st.lock();
         st.next_region += 1;
         let id = st.next_region;
-        st.regions.insert(id, Arc::new(region));
-        Ok(Reply::ok(Command::Register, id as u64))
+        st.regions.insert(id, region);
+        id
     }
 
     /// RING: this fd's submission/completion ring in one of its host
@@ -532,8 +552,14 @@ impl Session {
     /// A submission taken from the ring: handled as a request; its
     /// completion entry is posted when the ticket ends (now, if it is
     /// refused or already over).
-    pub(super) fn ring_submit(self: &Arc<Session>, ring: &Ring, user_data: u64, req: Request) {
-        let reply = self.handle(req);
+    pub(super) fn ring_submit(
+        self: &Arc<Session>,
+        ring: &Ring,
+        user_data: u64,
+        req: Request,
+        done: Option<u16>,
+    ) {
+        let reply = self.handle(req, done);
         if reply.status != 0 {
             return ring.post(Cqe {
                 user_data,
@@ -557,7 +583,12 @@ impl Session {
     }
 
     fn unregister(&self, region: u32) -> Result<Reply, Rejection> {
-        match self.st.lock().regions.remove(&region) {
+        let mut st = self.st.lock();
+        if st.done_words.as_ref().is_some_and(|(id, _)| *id == region) {
+            // Running tickets hold the region until their words are written.
+            st.done_words = None;
+        }
+        match st.regions.remove(&region) {
             Some(_) => Ok(Reply::ok(Command::Unregister, region as u64)),
             None => Err(reject(
                 libc::EBADF,
@@ -565,6 +596,15 @@ impl Session {
                 format!("region {region} is not registered on this fd"),
             )),
         }
+    }
+
+    /// Takes back a ticket taken for a request that was then refused: it
+    /// (and any done word claimed for it) was never handed out.
+    pub(super) fn forget_ticket(&self, ticket: u64) {
+        let mut st = self.st.lock();
+        st.tickets.remove(&ticket);
+        st.events.remove(&ticket);
+        st.done_busy.retain(|_, t| *t != ticket);
     }
 
     pub(super) fn new_ticket(&self) -> u64 {
@@ -613,6 +653,9 @@ impl Session {
         }
         {
             let mut st = self.st.lock();
+            if !st.done_busy.is_empty() {
+                st.done_busy.retain(|_, t| *t != ticket);
+            }
             if let Some(user_data) = st.ring_tickets.remove(&ticket) {
                 // A ring ticket: collected by its completion entry.
                 st.tickets.remove(&ticket);
@@ -629,4 +672,11 @@ impl Session {
         }
         self.pump();
     }
+}
+
+/// The done word a complete request's header names (`wire::done_word`).
+fn done_word_of(req: &[u8]) -> Option<u16> {
+    wire::request_len(req)
+        .ok()
+        .and_then(|(h, _)| wire::done_word(&h))
 }

@@ -37,6 +37,15 @@ pub const ENTRIES_IN_REGION: u64 = 1;
 /// contiguous in kvfs): an engine's layout where K and V, or heads,
 /// interleave. `row_bytes` 0 means the group is contiguous at `offset`.
 pub const ENTRIES_STRIDED: u64 = 2;
+/// RESTORE `arg0` bits 16–31: a done word of the fd (its index + 1; 0:
+/// none). After the ticket's copy into CUDA regions, the daemon's stream
+/// writes the ticket number (u64) into word `index` of the fd's done-word
+/// region (REGISTER flags `REGISTER_CUDA | REGISTER_DONE_WORDS`), so a
+/// client's GPU stream can wait on it (`cuStreamWaitValue64`, GEQ)
+/// without a cross-process event. A word serves one running ticket at a
+/// time.
+pub const DONE_WORD_SHIFT: u32 = 16;
+pub const DONE_WORD_BITS: u64 = 0xffff << DONE_WORD_SHIFT;
 /// Strided RESTORE/STORE entry: the 32 bytes of an IO entry, then
 /// row_bytes u32, pad u32 (send 0; ignored), pitch u64.
 pub const STRIDED_ENTRY_BYTES: usize = 48;
@@ -49,6 +58,18 @@ pub const IOCTL_NR: u32 = 1;
 pub const MAX_IOCTL_BYTES: usize = (1 << 14) - 1;
 /// REGISTER flags: a CUDA allocation named by its IPC handle.
 pub const REGISTER_CUDA: u64 = 1;
+/// REGISTER flag, with `REGISTER_CUDA`: the allocation holds the fd's done
+/// words (u64 each, 8-byte aligned; see `DONE_WORD_SHIFT`), one such
+/// region a fd.
+pub const REGISTER_DONE_WORDS: u64 = 2;
+
+/// The done word a RESTORE names (its index), from its header.
+pub fn done_word(h: &Header) -> Option<u16> {
+    if h.command != Command::Restore as u16 {
+        return None;
+    }
+    (((h.arg0 & DONE_WORD_BITS) >> DONE_WORD_SHIFT) as u16).checked_sub(1)
+}
 
 /// The mount's shape, as JSON: HELLO's message and `.kvfs/layout`. The
 /// geometry, then T1's size, the backing tier and the replacement policy.
@@ -378,7 +399,9 @@ pub enum DecodeError {
     Reserved(u32),
     #[error("region id {0} does not fit in 32 bits")]
     RegionId(u64),
-    #[error("unknown {command} flags {flags:#x} (1 = entries in a region, 2 = strided entries)")]
+    #[error(
+        "unknown {command} flags {flags:#x} (1 = entries in a region, 2 = strided entries; bits 16-31 of a RESTORE: a done word)"
+    )]
     Flags { command: &'static str, flags: u64 },
 }
 
@@ -515,7 +538,11 @@ pub fn request_len(b: &[u8]) -> Result<(Header, usize), DecodeError> {
         }
         Command::Restore | Command::Store => {
             let flags = h.arg0 & 0xffff_ffff;
-            if flags & !(ENTRIES_IN_REGION | ENTRIES_STRIDED) != 0 {
+            let done = match cmd {
+                Command::Restore => DONE_WORD_BITS,
+                _ => 0,
+            };
+            if flags & !(ENTRIES_IN_REGION | ENTRIES_STRIDED | done) != 0 {
                 return Err(DecodeError::Flags {
                     command: cmd.name(),
                     flags,
@@ -911,6 +938,45 @@ mod tests {
         let mut b = good;
         b[0] = b'X';
         assert!(matches!(decode_request(&b), Err(DecodeError::Magic(_))));
+    }
+
+    /// A RESTORE's arg0 bits 16–31 name a done word (index + 1) and
+    /// decode as the same request; a STORE's are unknown flags.
+    #[test]
+    fn a_restore_names_a_done_word_in_arg0() {
+        let e = vec![IoEntry {
+            key: RawKey {
+                layer: 1,
+                block: 2,
+                head: 0,
+                kind: 1,
+            },
+            region: 3,
+            offset: 4096,
+            row_bytes: 0,
+            pitch: 0,
+        }];
+        let plain = encode_request(&Request::Restore(e.clone()));
+        let header = |b: &[u8]| request_len(b).unwrap().0;
+        assert_eq!(done_word(&header(&plain)), None);
+        for word in [0u16, 7, u16::MAX - 1] {
+            let mut b = plain.clone();
+            b[16..24].copy_from_slice(&((word as u64 + 1) << DONE_WORD_SHIFT).to_le_bytes());
+            assert_eq!(done_word(&header(&b)), Some(word));
+            assert_eq!(decode_request(&b).unwrap(), Request::Restore(e.clone()));
+        }
+        let mut b = encode_request(&Request::Store(e));
+        b[16..24].copy_from_slice(&(1u64 << DONE_WORD_SHIFT).to_le_bytes());
+        let err = decode_request(&b).unwrap_err();
+        assert!(matches!(err, DecodeError::Flags { .. }), "{err}");
+        assert!(err.to_string().contains("done word"), "{err}");
+        let store = Header {
+            command: Command::Store as u16,
+            count: 1,
+            arg0: 1 << DONE_WORD_SHIFT,
+            arg1: 0,
+        };
+        assert_eq!(done_word(&store), None);
     }
 
     #[test]

@@ -434,6 +434,10 @@ pub struct Rows {
     pub strided_dst: bool,
 }
 
+/// A ticket's done word, written by its stream after its copy (see
+/// `Cuda::write_signal`): (device address, value), or None.
+pub type Signal = Option<(u64, u64)>;
+
 /// The gather kernel, shipped as PTX text (source: kernels/gather.cu).
 const GATHER_PTX: &str = concat!(include_str!("kernels/gather.ptx"), "\0");
 /// Threads per gather block, and 16-byte words each thread copies
@@ -635,6 +639,7 @@ impl Cuda {
         n: u32,
         bytes: u64,
         rows: Option<Rows>,
+        signal: Signal,
         event: &IpcEvent,
     ) -> Result<(), String> {
         self.bind()?;
@@ -691,9 +696,42 @@ impl Cuda {
             };
             check(r, "cuLaunchKernel(kvfs_gather)")?;
         }
+        self.write_signal(stream, signal)?;
         // SAFETY: event and stream are live handles of this context.
         let r = unsafe { sys::cuEventRecord(event.ev, stream.0) };
         check(r, "cuEventRecord")
+    }
+
+    /// Enqueues on `stream` the write of a ticket's done word, if any:
+    /// `value` into the 8 bytes at device address `addr`, after the work
+    /// before it (with the driver's default memory barrier, so the copy's
+    /// bytes are visible before the word).
+    fn write_signal(&self, stream: &Stream, signal: Signal) -> Result<(), String> {
+        if let Some((addr, value)) = signal {
+            // SAFETY: a live stream of this context; addr is 8 device
+            // bytes of a live region, 8-aligned (the caller's contract).
+            let r = unsafe { sys::cuStreamWriteValue64_v2(stream.0, addr, value, 0) };
+            check(r, "cuStreamWriteValue64")?;
+        }
+        Ok(())
+    }
+
+    /// Whether this device's streams may write and wait on 64-bit words
+    /// (`cuStreamWriteValue64`, for done words).
+    pub fn has_u64_stream_words(&self) -> bool {
+        let Ok(dev) = result::device::get(self.device) else {
+            return false;
+        };
+        let mut v = 0;
+        // SAFETY: dev is a device of this driver; v receives the value.
+        let r = unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut v,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+                dev,
+            )
+        };
+        r == sys::CUresult::CUDA_SUCCESS && v != 0
     }
 
     /// Makes `stream` wait, from here on, for the work enqueued before
@@ -730,6 +768,7 @@ impl Cuda {
         dsts: &mut [u64],
         srcs: &mut [u64],
         sizes: &mut [usize],
+        signal: Signal,
         event: &IpcEvent,
     ) -> Result<(), String> {
         if dsts.len() != srcs.len() || dsts.len() != sizes.len() {
@@ -758,6 +797,7 @@ impl Cuda {
             };
             check(r, "cuMemcpyBatchAsync")?;
         }
+        self.write_signal(stream, signal)?;
         // SAFETY: event and stream are live handles of this context.
         let r = unsafe { sys::cuEventRecord(event.ev, stream.0) };
         check(r, "cuEventRecord")

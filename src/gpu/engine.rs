@@ -24,7 +24,7 @@
 //! several devices would go behind the same calls.
 
 use super::HostBuf;
-use super::cuda::{Cuda, IpcEvent, Rows, Stream};
+use super::cuda::{Cuda, IpcEvent, Rows, Signal, Stream};
 use parking_lot::{Mutex, MutexGuard};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -407,6 +407,7 @@ impl Engine {
         lane: Option<&mut LaneGuard<'_>>,
         descs: Option<&mut dyn Iterator<Item = Descriptor>>,
         after: Option<&IpcEvent>,
+        signal: Signal,
     ) -> Result<Restore, String> {
         let c = self.pool.driver()?;
         let pool = &self.pool;
@@ -472,6 +473,7 @@ impl Engine {
                 n as u32,
                 bytes,
                 rows,
+                signal,
                 &r.event,
             )
         };
@@ -501,6 +503,7 @@ impl Engine {
         rows: Option<Rows>,
         lane: &mut LaneGuard<'_>,
         mut descs: impl Iterator<Item = Descriptor>,
+        signal: Signal,
     ) -> Result<Restore, String> {
         let stride = bytes as usize;
         self.restore(
@@ -512,6 +515,7 @@ impl Engine {
             Some(lane),
             Some(&mut descs),
             None,
+            signal,
         )
     }
 
@@ -527,6 +531,7 @@ impl Engine {
         bytes: u64,
         rows: Option<Rows>,
         lane: &mut LaneGuard<'_>,
+        signal: Signal,
     ) -> Result<PartedRestore, String> {
         let c = self.pool.driver()?;
         let pool = &self.pool;
@@ -557,6 +562,7 @@ impl Engine {
             bytes,
             rows,
             launched: 0,
+            signal,
         })
     }
 
@@ -715,6 +721,7 @@ impl Engine {
         &self,
         mut runs: Runs,
         lane: &mut LaneGuard<'_>,
+        signal: Signal,
     ) -> Result<DirectRestore, String> {
         let c = self.pool.driver()?;
         let event = Arc::new(self.pool.take_event()?);
@@ -729,6 +736,7 @@ impl Engine {
                 &mut runs.dsts,
                 &mut runs.srcs,
                 &mut runs.sizes,
+                signal,
                 &event,
             )
         }?;
@@ -744,6 +752,9 @@ pub struct PartedRestore {
     rows: Option<Rows>,
     /// Descriptors launched so far (the next part's first place).
     launched: usize,
+    /// The done word, written after the part that completes the n copies
+    /// (never, if the rest goes elsewhere).
+    signal: Signal,
 }
 
 impl PartedRestore {
@@ -797,6 +808,7 @@ impl PartedRestore {
                 n as u32,
                 self.bytes,
                 self.rows,
+                self.signal.filter(|_| self.launched == self.inner.n),
                 &self.inner.event,
             )
         }
@@ -925,6 +937,7 @@ impl Store {
                 descs.len() as u32,
                 self.unit,
                 self.rows,
+                None,
                 &self.events[part],
             )
         }

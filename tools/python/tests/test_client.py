@@ -224,6 +224,16 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(e.exception.errno, errno.EINVAL)
         with self.assertRaises(ValueError):
             self.kv.restore([(0, 0, 0, "X", r, 0)])
+        # A done word is for restores into CUDA regions, and the session
+        # has none registered.
+        with self.assertRaises(KvfsError) as e:
+            self.kv.restore([(0, 0, 0, "K", r, 0)], done_word=3)
+        self.assertEqual(e.exception.errno, errno.EINVAL)
+        self.assertIn("done word", e.exception.message)
+        with self.assertRaises(ValueError):
+            self.kv.restore([(0, 0, 0, "K", r, 0)], done_word=70000)
+        with self.assertRaises(ValueError):
+            self.kv.wait_done_word(None, 1, 0)
         # Still serving.
         self.kv.restore([(0, 0, 0, "K", r, 0)])
 
