@@ -840,17 +840,17 @@ fn done_words_are_refused_where_they_cannot_be_written() {
         "{}",
         r.message
     );
+    let register = |path: Vec<u8>, flags: u64| {
+        let req = wire::encode_request(&Request::Register {
+            path,
+            len: 64,
+            flags,
+        });
+        c.ioctl_bytes(&req, 1024).unwrap()
+    };
     // Flag 2 alone: not a CUDA allocation.
-    let r = c
-        .ioctl_bytes(
-            &wire::encode_request(&Request::Register {
-                path: data.path().as_os_str().as_encoded_bytes().to_vec(),
-                len: 64,
-                flags: wire::REGISTER_DONE_WORDS,
-            }),
-            1024,
-        )
-        .unwrap();
+    let path = data.path().as_os_str().as_encoded_bytes().to_vec();
+    let r = register(path, wire::REGISTER_DONE_WORDS);
     assert!(
         r.status as i32 == libc::EINVAL && r.message.contains("done words"),
         "{}",
@@ -858,16 +858,8 @@ fn done_words_are_refused_where_they_cannot_be_written() {
     );
     // Flags 3 with no CUDA allocation behind them (no driver here: ENODEV;
     // with one, the handle does not open).
-    let r = c
-        .ioctl_bytes(
-            &wire::encode_request(&Request::Register {
-                path: vec![0; wire::CUDA_REGISTER_BYTES],
-                len: 64,
-                flags: wire::REGISTER_CUDA | wire::REGISTER_DONE_WORDS,
-            }),
-            1024,
-        )
-        .unwrap();
+    let payload = vec![0; wire::CUDA_REGISTER_BYTES];
+    let r = register(payload, wire::REGISTER_CUDA | wire::REGISTER_DONE_WORDS);
     assert!(
         [libc::ENODEV, libc::EINVAL].contains(&(r.status as i32)),
         "{}: {}",

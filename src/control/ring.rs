@@ -309,15 +309,7 @@ impl Ring {
             let count = u32::from_le_bytes(b[12..16].try_into().expect("4 bytes"));
             let (arg0, arg1) = (u64_at(16), u64_at(24));
             match Self::request(command, count, arg0, arg1) {
-                Ok(req) => {
-                    let done = wire::done_word(&wire::Header {
-                        command: command as u16,
-                        count,
-                        arg0,
-                        arg1,
-                    });
-                    s.ring_submit(&self, user_data, req, done)
-                }
+                Ok((h, req)) => s.ring_submit(&self, user_data, req, wire::done_word(&h)),
                 Err(rj) => self.post(Cqe {
                     user_data,
                     ticket: 0,
@@ -331,7 +323,12 @@ impl Ring {
 
     /// The request a submission names: RESTORE or STORE with its entries
     /// in a region, through the wire decoder (the same checks).
-    fn request(command: u32, count: u32, arg0: u64, arg1: u64) -> Result<Request, Rejection> {
+    fn request(
+        command: u32,
+        count: u32,
+        arg0: u64,
+        arg1: u64,
+    ) -> Result<(wire::Header, Request), Rejection> {
         let cmd = u16::try_from(command)
             .ok()
             .and_then(Command::from_u16)
@@ -358,6 +355,6 @@ impl Ring {
         };
         let mut raw = Vec::with_capacity(wire::HEADER_BYTES);
         wire::encode_header(&mut raw, wire::REQUEST_MAGIC, &h);
-        wire::decode_request(&raw).map_err(|e| reject(libc::EINVAL, NO_ENTRY, e.to_string()))
+        wire::decode(&raw).map_err(|e| reject(libc::EINVAL, NO_ENTRY, e.to_string()))
     }
 }

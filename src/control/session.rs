@@ -227,13 +227,13 @@ impl Session {
                 &assembled
             };
             drop(st);
-            let out = match wire::decode_request(req) {
-                Ok(Request::Wait { ticket, timeout_ms }) => {
+            let out = match wire::decode(req) {
+                Ok((_, Request::Wait { ticket, timeout_ms })) => {
                     self.ctl.stats.requests[Command::Wait as usize].fetch_add(1, Ordering::Relaxed);
                     let deadline = self.deadline(timeout_ms);
                     Out::Wait { ticket, deadline }
                 }
-                Ok(r) => Out::Ready(self.handle(r, done_word_of(req)).encode()),
+                Ok((h, r)) => Out::Ready(self.handle(r, wire::done_word(&h)).encode()),
                 Err(e) => Out::Ready(
                     Reply::error(
                         u16::from_le_bytes([req[6], req[7]]),
@@ -315,11 +315,11 @@ impl Session {
                     got: req.len(),
                 })
             } else {
-                wire::decode_request(&req[..n])
+                wire::decode(&req[..n])
             }
         });
         match request {
-            Ok(Request::Wait { ticket, timeout_ms }) => {
+            Ok((_, Request::Wait { ticket, timeout_ms })) => {
                 self.ctl.stats.requests[Command::Wait as usize].fetch_add(1, Ordering::Relaxed);
                 let deadline = self.deadline(timeout_ms);
                 let mut st = self.st.lock();
@@ -331,7 +331,7 @@ impl Session {
                     None => st.waiters.push((ticket, deadline, cb)),
                 }
             }
-            Ok(r) => cb(self.handle(r, done_word_of(req))),
+            Ok((h, r)) => cb(self.handle(r, wire::done_word(&h))),
             Err(e) => {
                 let cmd = if req.len() >= 8 {
                     u16::from_le_bytes([req[6], req[7]])
@@ -672,11 +672,4 @@ impl Session {
         }
         self.pump();
     }
-}
-
-/// The done word a complete request's header names (`wire::done_word`).
-fn done_word_of(req: &[u8]) -> Option<u16> {
-    wire::request_len(req)
-        .ok()
-        .and_then(|(h, _)| wire::done_word(&h))
 }

@@ -189,9 +189,11 @@ impl Command {
 }
 
 /// A request header. Fields by command:
-/// - HELLO: nothing. REGISTER: `count` = path bytes, `arg0` = flags (0),
-///   `arg1` = region length. UNREGISTER: `arg0` = region id.
-/// - RESTORE, STORE: `count` IO entries. QUERY, PREFETCH: `count` key entries.
+/// - HELLO: nothing. REGISTER: `count` = path bytes, `arg0` = flags (0
+///   host file, `REGISTER_CUDA`, with `REGISTER_DONE_WORDS`), `arg1` =
+///   region length. UNREGISTER: `arg0` = region id.
+/// - RESTORE, STORE: `count` IO entries, `arg0` flags (RESTORE: and a done
+///   word, `DONE_WORD_SHIFT`). QUERY, PREFETCH: `count` key entries.
 /// - WAIT: `arg0` = ticket, `arg1` = timeout in ms (u64::MAX: forever).
 /// - RING: `count` = ring entries (a power of two), `arg0` = the host
 ///   region holding the ring, `arg1` = the ring's offset in it.
@@ -579,6 +581,11 @@ pub fn request_len(b: &[u8]) -> Result<(Header, usize), DecodeError> {
 
 /// Decodes one complete request; `b` must be exactly its bytes.
 pub fn decode_request(b: &[u8]) -> Result<Request, DecodeError> {
+    decode(b).map(|(_, r)| r)
+}
+
+/// `decode_request`, with the request's header (for `done_word`).
+pub fn decode(b: &[u8]) -> Result<(Header, Request), DecodeError> {
     let (h, want) = request_len(b)?;
     let cmd = Command::from_u16(h.command).expect("checked by request_len");
     if b.len() != want {
@@ -590,7 +597,7 @@ pub fn decode_request(b: &[u8]) -> Result<Request, DecodeError> {
         });
     }
     let body = &b[HEADER_BYTES..];
-    Ok(match cmd {
+    let r = match cmd {
         Command::Hello => Request::Hello,
         Command::Register => Request::Register {
             path: body.to_vec(),
@@ -647,7 +654,8 @@ pub fn decode_request(b: &[u8]) -> Result<Request, DecodeError> {
             entries: h.count,
         },
         Command::Completion => unreachable!("refused by request_len"),
-    })
+    };
+    Ok((h, r))
 }
 
 /// A reply. `status` is 0 or an errno; `value` is the region id (REGISTER),
