@@ -12,6 +12,7 @@ use super::region::Region;
 use super::session::Session;
 use super::wire::{Command, NO_ENTRY, Reply};
 use super::{Rejection, reject};
+use crate::gpu::cuda::Signal;
 use std::sync::Arc;
 
 /// A done word claimed for a ticket: the region, held until the word is
@@ -20,6 +21,13 @@ use std::sync::Arc;
 pub(super) struct DoneWord {
     _region: Arc<Region>,
     pub(super) addr: u64,
+}
+
+impl DoneWord {
+    /// What the copy of `ticket` writes, if it names a done word.
+    pub(super) fn signal(done: Option<&DoneWord>, ticket: u64) -> Signal {
+        done.map(|d| (d.addr, ticket))
+    }
 }
 
 impl Session {

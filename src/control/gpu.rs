@@ -420,7 +420,7 @@ impl Session {
         ticket: u64,
         mut done: Option<DoneWord>,
     ) -> Result<Reply, Rejection> {
-        let signal = done.as_ref().map(|d| (d.addr, ticket));
+        let signal = DoneWord::signal(done.as_ref(), ticket);
         let gpu = self.ctl.gpu.on(work.cuda_device());
         let n = work.len();
         let layout = self.ctl.cascade.layout();
@@ -573,7 +573,7 @@ impl Session {
                 shape.unit,
                 shape.kernel_rows(true),
                 &mut lane,
-                done.as_ref().map(|d| (d.addr, ticket)),
+                DoneWord::signal(done.as_ref(), ticket),
             )
             .map_err(restore_failed)?;
         let mut next = Some(addrs);
@@ -661,7 +661,7 @@ impl Session {
                 None,
                 None,
                 held.as_ref().map(|h| &***h.copy.event()),
-                done.as_ref().map(|d| (d.addr, ticket)),
+                DoneWord::signal(done.as_ref(), ticket),
             )
             .map_err(restore_failed)?;
         let reply = self.gpu_reply(ticket, copy.event());

@@ -71,6 +71,13 @@ pub(super) struct SessionState {
 }
 
 impl SessionState {
+    /// Frees the done word `ticket` held, if any (it ended, or never began).
+    pub(super) fn free_done_word(&mut self, ticket: u64) {
+        if !self.done_busy.is_empty() {
+            self.done_busy.retain(|_, t| *t != ticket);
+        }
+    }
+
     fn readable(&self) -> bool {
         self.cursor.is_some()
             || matches!(self.out.front(), Some(Out::Ready(_)))
@@ -604,7 +611,7 @@ impl Session {
         let mut st = self.st.lock();
         st.tickets.remove(&ticket);
         st.events.remove(&ticket);
-        st.done_busy.retain(|_, t| *t != ticket);
+        st.free_done_word(ticket);
     }
 
     pub(super) fn new_ticket(&self) -> u64 {
@@ -653,9 +660,7 @@ impl Session {
         }
         {
             let mut st = self.st.lock();
-            if !st.done_busy.is_empty() {
-                st.done_busy.retain(|_, t| *t != ticket);
-            }
+            st.free_done_word(ticket);
             if let Some(user_data) = st.ring_tickets.remove(&ticket) {
                 // A ring ticket: collected by its completion entry.
                 st.tickets.remove(&ticket);
