@@ -60,9 +60,11 @@ class Ticket(int):
     """A ticket number; for restores into CUDA regions, also the handle of
     the CUDA IPC event recorded after the copy (open it with
     torch.cuda.Event.from_ipc_handle(device, handle) or cuIpcOpenEventHandle
-    and make a stream wait on it: no host round trip)."""
+    and make a stream wait on it: no host round trip). done_word: the
+    done word it names, if any (see Kvfs.register_done_words)."""
 
     ipc_event_handle = None
+    done_word = None
 
 
 def _ticket(value, message):
@@ -395,8 +397,9 @@ class Kvfs:
         Returns the ticket (after it finished, when wait is true); for CUDA
         regions the ticket carries .ipc_event_handle. done_word: a word of
         register_done_words the copy's stream writes the ticket into
-        (see wait_done_word)."""
+        (see wait_done_word), then kept as the ticket's .done_word."""
         ticket = _ticket(*self._io(RESTORE, entries, _done_bits(done_word)))
+        ticket.done_word = done_word
         if wait:
             self.wait(ticket)
         return ticket

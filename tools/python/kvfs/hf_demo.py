@@ -327,7 +327,8 @@ def main(argv):
     st = dec["kvfs"]["stats"]
     print(f"  KvfsCache over the decode run: {st['restores']} RESTOREs, {st['stores']} STOREs; waiting for "
           f"submissions {st['wait_restorer_s'] * 1e3:.0f} ms, encoding entries {st['encode_s'] * 1e3:.0f} ms, "
-          f"host waits on the GPU {st['host_waits']}; in KvfsCache.update {st['update_s'] * 1e3:.0f} ms of "
+          f"host waits on the GPU {st['host_waits']}; the GPU waited on {st['done_word_waits']} done words and "
+          f"{st['event_waits']} IPC events; in KvfsCache.update {st['update_s'] * 1e3:.0f} ms of "
           f"{st['wall_s'] * 1e3:.0f} ms; the restorer thread waited for the GPU {st['gpu_wait_s'] * 1e3:.0f} ms "
           f"and in RESTORE calls {st['submit_s'] * 1e3:.0f} ms", flush=True)
     print(f"KvfsCache vs transformers' offloaded cache: {dec['kvfs_vs_offloaded']:.2f}x (target >= 1.0)")

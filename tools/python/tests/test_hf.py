@@ -79,6 +79,12 @@ class KvfsCacheBytesTest(unittest.TestCase):
             self.feed(b, n, n + 1)
             for t in range(n + 1, self.total):
                 self.feed(b, t, t + 1)
+            # The compute stream waited for every restore on the GPU: on a
+            # done word where the device writes them, else the IPC event.
+            waits = b.stats["done_word_waits"] + b.stats["event_waits"]
+            self.assertGreater(waits, 0)
+            if b.restorer.words is not None:
+                self.assertEqual(b.stats["event_waits"], 0, "a done word was busy")
 
 
 if __name__ == "__main__":
