@@ -40,9 +40,18 @@ fail=0
 # The correctness checks first, the bandwidth runs (minutes) after: a run
 # cut short has still checked what matters most.
 echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 | tail -10 || fail=1
+# Done words against both copy paths: restores whose slots join into runs
+# (copy engines) and the same forced onto the kernel, each waited on by a
+# stream through a done word, then through the IPC event, and compared.
+for m in engines kernel; do
+  rm -rf /tmp/bdw; mkdir -p /mnt/kdw; KVFS_GPU_COPY=$m $B mount /mnt/kdw --backing /tmp/bdw --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 >/dev/null || exit 1
+  echo "== done words, KVFS_GPU_COPY=$m"; timeout -k 5 120 python3 tools/gpu_e2e.py /mnt/kdw --done-word-stress 100 2>&1 | tail -3 || fail=1
+  timeout -k 2 20 $B umount /mnt/kdw; rm -rf /tmp/bdw
+done
 mkdir -p /mnt/khf; rm -rf /tmp/bhf
 $B mount /mnt/khf --backing /tmp/bhf --t1 64MiB --layers 4 --blocks 1024 --kv-heads 2 --head-dim 64 --block-tokens 16 --dtype bf16 || exit 1
 echo "== KvfsCache bytes (prefix saved, loaded by a new cache, layers evicted and restored)"; KVFS_HF_MOUNT=/mnt/khf PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_hf.py 2>&1 | tail -6 || fail=1
+echo "== the same, the compute stream waiting on done words (KVFS_HF_DONE_WORDS=1)"; KVFS_HF_DONE_WORDS=1 KVFS_HF_MOUNT=/mnt/khf PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_hf.py 2>&1 | tail -6 || fail=1
 timeout -k 2 20 $B umount /mnt/khf
 echo "== e2e 16 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k16 --batch 1024 --inflight 4 --rounds 128 --ring --target 0.85 2>&1 | tail -26 || fail=1
 echo "== e2e 4 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k4 --batch 4096 --inflight 4 --rounds 128 --ring --target 0.80 2>&1 | tail -23 || fail=1

@@ -585,6 +585,48 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
     return gbps(best) / base
 
 
+def done_word_stress(kv, gb, dev, reps):
+    """Many restores of 1024 groups stored in one STORE (their slots join
+    into runs: the copy engines, unless the daemon runs with
+    KVFS_GPU_COPY=kernel), each waited on by a stream through a done word,
+    then through the IPC event, the bytes compared on that stream right
+    after the wait. Any mismatch fails."""
+    n = min(1024, kv.layout["t1_slots"] // 2)
+    keys = keys_of(kv.layout, n)
+    data = torch.randint(0, 256, (n * gb,), dtype=torch.uint8, device=dev)
+    expect = data.clone()
+    r = kv.register_tensor(data)
+    torch.cuda.synchronize()
+    kv.store([k + (r, i * gb) for i, k in enumerate(keys)])
+    back = torch.zeros(n * gb, dtype=torch.uint8, device=dev)
+    rb = kv.register_tensor(back)
+    words = torch.zeros(8, dtype=torch.int64, device=dev)
+    rw = done_words(kv, words)
+    s = torch.cuda.Stream(dev)
+    bad = {}
+    for how in (("word", "event") if rw is not None else ("event",)):
+        bad[how] = 0
+        for rep in range(reps):
+            back.zero_()
+            torch.cuda.synchronize()
+            w = rep % 8
+            t = kv.restore([k + (rb, i * gb) for i, k in enumerate(keys)], wait=False,
+                           done_word=w if how == "word" else None)
+            if how == "word":
+                kv.wait_done_word(s, t, w)
+            else:
+                s.wait_event(torch.cuda.Event.from_ipc_handle(dev, t.ipc_event_handle))
+            with torch.cuda.stream(s):
+                same = torch.equal(back, expect)
+            bad[how] += not same
+            kv.wait(t, timeout=WAIT_S)
+    for x in (r, rb) + ((rw,) if rw is not None else ()):
+        kv.unregister(x)
+    print(f"done-word stress: {reps} restores of {n} groups stored in one STORE, the bytes compared on a "
+          f"stream right after its wait; mismatches: " + ", ".join(f"{bad[h]} waiting on the {h}" for h in bad))
+    assert not any(bad.values()), f"restored bytes differ after a stream's wait: {bad}"
+
+
 def guard(kv, gb, dev):
     """The seed's eviction guard: T1 of 2 slots, 4 groups, async restore then evicting writes."""
     assert kv.layout["t1_slots"] == 2, "run --guard against a mount with a 2-slot T1"
@@ -622,6 +664,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5, help="runs per figure (the median is printed)")
     ap.add_argument("--trace", help="write each RESTORE call's ticket and wall-clock start and end here")
     ap.add_argument("--guard", action="store_true")
+    ap.add_argument("--done-word-stress", type=int, default=0, metavar="REPS",
+                    help="only: REPS restores of 1024 groups stored together, each waited on by a stream "
+                         "through a done word (then through the IPC event) and compared there")
     ap.add_argument("--target", type=float, default=0.0, help="fail if restores with --inflight tickets in flight (through the ring too, with --ring: the faster) "
                          "reach less than this fraction of the baseline")
     ap.add_argument("--row", type=int, default=0,
@@ -639,6 +684,9 @@ def main():
         gb = kv.layout["group_bytes"]
         if a.guard:
             guard(kv, gb, dev)
+            return
+        if a.done_word_stress:
+            done_word_stress(kv, gb, dev, a.done_word_stress)
             return
         place = Place(gb, a.row, a.pitch)
         if a.batch % place.k:

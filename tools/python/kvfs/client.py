@@ -263,8 +263,10 @@ class Kvfs:
         return self.register_cuda_region(handle, tensor.numel() * tensor.element_size(), device, offset, _flags)
 
     def register_done_words(self, tensor):
-        """Registers a CUDA tensor of int64 (zeroed by the caller) as this
-        session's done words (one set a session). A restore into CUDA
+        """Registers a 1-D int64 CUDA tensor as this session's done words
+        (one set a session); it is zeroed here, and the zeros have landed
+        before the daemon can write a word (memory the caching allocator
+        hands out again may hold an older session's tickets). A restore into CUDA
         regions may then name a word (restore(..., done_word=i)): right
         after its copy, the daemon's stream writes the ticket number into
         it, so a stream of this process can wait for the copy with
@@ -276,6 +278,9 @@ class Kvfs:
 
         if tensor.dtype != torch.int64 or tensor.dim() != 1:
             raise ValueError("done words are a 1-D int64 CUDA tensor")
+        if tensor.is_cuda:
+            tensor.zero_()
+            torch.cuda.synchronize(tensor.device)
         region = self.register_tensor(tensor, REGISTER_CUDA | REGISTER_DONE_WORDS)
         self._done_words = tensor
         return region

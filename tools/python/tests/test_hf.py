@@ -80,7 +80,8 @@ class KvfsCacheBytesTest(unittest.TestCase):
             for t in range(n + 1, self.total):
                 self.feed(b, t, t + 1)
             # The compute stream waited for every restore on the GPU: on a
-            # done word where the device writes them, else the IPC event.
+            # done word where they are on (KVFS_HF_DONE_WORDS=1) and the
+            # device writes them, else the IPC event.
             waits = b.stats["done_word_waits"] + b.stats["event_waits"]
             self.assertGreater(waits, 0)
             if b.restorer.words is not None:
