@@ -585,13 +585,10 @@ def bandwidth(kv, gb, dev, batch, inflight, rounds, reps, trace=None, place=None
     return gbps(best) / base
 
 
-def done_word_stress(kv, gb, dev, reps):
-    """Many restores of 1024 groups stored in one STORE (their slots join
-    into runs: the copy engines, unless the daemon runs with
-    KVFS_GPU_COPY=kernel), each waited on by a stream through a done word,
-    then through the IPC event, the bytes compared on that stream right
-    after the wait. Any mismatch fails."""
-    n = min(1024, kv.layout["t1_slots"] // 2)
+def stored_groups(kv, gb, dev, n):
+    """n groups of random bytes stored from GPU memory in one STORE, and a
+    zeroed tensor to restore them into: (keys, expected bytes, their
+    region, the tensor, its region)."""
     keys = keys_of(kv.layout, n)
     data = torch.randint(0, 256, (n * gb,), dtype=torch.uint8, device=dev)
     expect = data.clone()
@@ -599,7 +596,17 @@ def done_word_stress(kv, gb, dev, reps):
     torch.cuda.synchronize()
     kv.store([k + (r, i * gb) for i, k in enumerate(keys)])
     back = torch.zeros(n * gb, dtype=torch.uint8, device=dev)
-    rb = kv.register_tensor(back)
+    return keys, expect, r, back, kv.register_tensor(back)
+
+
+def done_word_stress(kv, gb, dev, reps):
+    """Many restores of 1024 groups stored in one STORE (their slots join
+    into runs: the copy engines, unless the daemon runs with
+    KVFS_GPU_COPY=kernel), each waited on by a stream through a done word,
+    then through the IPC event, the bytes compared on that stream right
+    after the wait. Any mismatch fails."""
+    n = min(1024, kv.layout["t1_slots"] // 2)
+    keys, expect, r, back, rb = stored_groups(kv, gb, dev, n)
     words = torch.zeros(8, dtype=torch.int64, device=dev)
     rw = done_words(kv, words)
     s = torch.cuda.Stream(dev)
@@ -630,15 +637,7 @@ def done_word_stress(kv, gb, dev, reps):
 def guard(kv, gb, dev):
     """The seed's eviction guard: T1 of 2 slots, 4 groups, async restore then evicting writes."""
     assert kv.layout["t1_slots"] == 2, "run --guard against a mount with a 2-slot T1"
-    n = 4
-    keys = keys_of(kv.layout, n)
-    data = torch.randint(0, 256, (n * gb,), dtype=torch.uint8, device=dev)
-    expect = data.clone()
-    r = kv.register_tensor(data)
-    torch.cuda.synchronize()
-    kv.store([k + (r, i * gb) for i, k in enumerate(keys)])
-    back = torch.zeros(n * gb, dtype=torch.uint8, device=dev)
-    rb = kv.register_tensor(back)
+    keys, expect, _, back, rb = stored_groups(kv, gb, dev, 4)
     for rep in range(50):
         back.zero_()
         torch.cuda.synchronize()
