@@ -83,10 +83,11 @@ def _ipc_event(device, handle):
 
 
 class _Job:
-    __slots__ = ("entries", "after", "ticket", "error", "done")
+    __slots__ = ("entries", "after", "prior", "ticket", "error", "done")
 
-    def __init__(self, entries, after):
-        self.entries, self.after, self.ticket, self.error = entries, after, None, None
+    def __init__(self, entries, after, prior=None):
+        self.entries, self.after, self.prior = entries, after, prior
+        self.ticket, self.error = None, None
         self.done = threading.Event()
 
     def result(self):
@@ -100,9 +101,10 @@ class _Restorer:
     """Submits a cache's RESTOREs from a thread and a control-file session
     of its own, so the model's thread never waits on the daemon: each job
     first waits (off the model's thread) for the GPU to be done with the
-    slot it fills, then encodes its entries (a callable) and submits; tickets
-    the compute stream has waited on (their done words or IPC events) are
-    collected here too."""
+    slot it fills (and for an earlier restore into that slot nobody used),
+    then encodes its entries (a callable) and submits; tickets the compute
+    stream has waited on (their done words or IPC events) are collected
+    here too."""
 
     def __init__(self, mount, buf):
         self.kv = Kvfs(mount)
@@ -130,8 +132,14 @@ class _Restorer:
         self.thread = threading.Thread(target=self._run, name="kvfs-restore", daemon=True)
         self.thread.start()
 
-    def submit(self, entries, after=None):
-        job = _Job(entries, after)
+    def submit(self, entries, after=None, prior=None):
+        """Queues a RESTORE of `entries` (bytes, or a callable making
+        them), submitted once CUDA event `after` (the GPU's last use of the
+        slot) is done and ticket `prior` (a restore into the same slot,
+        never used) is collected: two restores into one slot may run on
+        different streams of the daemon (a batch with misses goes to one of
+        its own), so the older could land after the newer."""
+        job = _Job(entries, after, prior)
         self.jobs.put(job)
         return job
 
@@ -152,6 +160,8 @@ class _Restorer:
                     t0 = time.perf_counter()
                     if job.after is not None:
                         job.after.synchronize()
+                    if job.prior is not None:
+                        self.kv.wait(job.prior)
                     t1 = time.perf_counter()
                     entries = job.entries() if callable(job.entries) else job.entries
                     job.ticket = self._restore(entries)
@@ -437,9 +447,11 @@ class KvfsCache(Cache):
         self.durable[layer] = max(self.durable[layer], c1)
 
     def _evict(self, slot):
+        """Frees `slot`; returns (the CUDA event after the GPU's last use
+        of it, the ticket of a restore into it nobody used), either None."""
         old = self.owner[slot]
         if old is None:
-            return
+            return None, None
         after = None
         if self.slot_dirty[old] is not None:
             self._store_slot(old)
@@ -447,13 +459,17 @@ class KvfsCache(Cache):
             # The slot may be overwritten (by the daemon's copy) only once
             # the GPU is done reading it: the restorer waits for this.
             after = self.pending.pop(old, None)
-        job = self.ready.pop(old, None)
-        if job is not None:  # restored, never used
-            self.restorer.used.append(job.result())
+        # Restored, never used: the compute stream never waited for that
+        # copy, so it waits now, before anything it enqueues writes the
+        # slot; a restore into the slot waits for its ticket (_bring).
+        unused = self.ready.pop(old, None)
+        if unused is not None:
+            unused = unused.result()
+            self.restorer.gpu_wait(torch.cuda.current_stream(self.device), unused)
         self.fill.pop(old, None)
         del self.slot_of[old]
         self.owner[slot] = None
-        return after
+        return after, unused
 
     def _pick_slot(self):
         """Slots in turn (the least recently filled), never the slot of
@@ -472,7 +488,7 @@ class KvfsCache(Cache):
         if layer in self.slot_of:
             return
         slot = self._pick_slot()
-        after = self._evict(slot)
+        after, unused = self._evict(slot)
         self.owner[slot] = layer
         self.slot_of[layer] = slot
         self._issue_due(layer)
@@ -482,8 +498,10 @@ class KvfsCache(Cache):
         if have:
             # Encoded on the restorer's thread too, off the model's.
             self.ready[layer] = self.restorer.submit(
-                lambda: self._entries(layer, 0, have, slot, True), after)
+                lambda: self._entries(layer, 0, have, slot, True), after, unused)
             self._count("restore", have)
+        elif unused is not None:
+            self.restorer.used.append(unused)
         if end > have:
             self.fill[layer] = (have, end)
 
