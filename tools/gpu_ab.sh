@@ -42,7 +42,7 @@ for rep in $(seq 1 "$reps"); do
       rm -rf $back; mkdir -p $mnt
       case $sz in
         16) geo=(--t1 6GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16); batch=1024 ;;
-        4) geo=(--t1 4GiB --preset llama-3.1-8b); batch=4096 ;;
+        4) geo=(--t1 12GiB --preset llama-3.1-8b); batch=4096 ;;
         *) echo "gpu_ab: size $sz: 16 or 4" >&2; exit 2 ;;
       esac
       env "${env_args[@]}" "$bin" mount $mnt --backing $back "${geo[@]}" >/dev/null || exit 1

@@ -27,13 +27,14 @@ pkill -9 -f "^python3 tools/gpu_e2e.py"; pkill -9 -x kvfs-bin; for m in k16 k4 k
 # Debug lines time each GPU restore (admission, pinning, copy) and each GPU
 # store chunk (claiming slots, the copy, writing staged groups): LOG=debug.
 export RUST_LOG=info${LOG:+,kvfs::control=$LOG,kvfs::gpu=$LOG}
-# T1 of 6 GiB (16 KiB groups) and 4 GiB (4 KiB): stores of new groups then
-# run 19 and 12 batches a run (they fill half of T1), long enough to show
+# T1 of 6 GiB (16 KiB groups) and 12 GiB (4 KiB): stores of new groups then
+# run 19 and 38 batches a run (they fill half of T1), long enough to show
 # the rate with 4 tickets in flight, not only the pipeline filling and
-# draining (2 GiB gave 6 batches a run).
+# draining (2 GiB gave 6 batches a run, 4 GiB 12: a ticket's claims, copy
+# and commit before the next 4 overlap are a batch or two of a short run).
 mkdir -p /mnt/k16 /mnt/k4 /mnt/kg
 $B mount /mnt/k16 --backing /tmp/b16 --t1 6GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
-$B mount /mnt/k4 --backing /tmp/b4 --t1 4GiB --preset llama-3.1-8b || exit 1
+$B mount /mnt/k4 --backing /tmp/b4 --t1 12GiB --preset llama-3.1-8b || exit 1
 $B mount /mnt/kg --backing /tmp/bg --t1 8KiB --layers 1 --blocks 4 --kv-heads 1 --head-dim 128 --block-tokens 16 --dtype bf16 || exit 1
 set -o pipefail
 fail=0
