@@ -157,10 +157,10 @@ def phase_load(a):
     # top, then decode, in this process. KvfsCache (GPU restores into
     # slots, prefetched layers, its ring) must give the very same tokens.
     # Recomputing the prefix here instead (the same generate call over the
-    # whole prompt, cut to the prefix) is not bit-identical to process
-    # A's computation on every host: cuBLAS may pick other kernels in
-    # another process. So the stored prefix is checked against that
-    # recomputation within bf16 tolerance, and the tokens against the
+    # whole prompt, cut to the prefix) need not be bit-identical to process
+    # A's computation (another process may get other kernels; it was
+    # bit-identical on the H200). So the stored prefix is checked against
+    # that recomputation within bf16 tolerance, and the tokens against the
     # stored bytes exactly.
     with KvfsCache(model.config, a.mount, max_tokens=a.prompt + a.new + 16, index=a.index) as c:
         c.load_prefix(ids)
