@@ -7,7 +7,8 @@
 //! evicted or rewritten until the copy is done), its descriptors written
 //! and its copy let go on the fd's ordered lane, with no staging; the
 //! engine's completion thread waits for it and unpins. Any other batch is
-//! resolved by an executor job on a stream of its own, holding nobody up:
+//! resolved by an executor job (on the lane too where only its size sent
+//! it there, else on a stream of its own, holding nobody up):
 //! T1 hits are pinned and read by the kernel through the device mapping,
 //! misses read from the backing into the engine's staging. A store claims
 //! T1 slots the kernel may write straight into (groups new to T1, in it
@@ -16,6 +17,7 @@
 //! left) land in staging and are written into T1 after.
 
 use super::admit::{Batch, Item};
+use super::descs::{Shape, pieces, restore_descs};
 use super::done::DoneWord;
 use super::session::Session;
 use super::wire::{Command, NO_ENTRY, Reply};
@@ -23,8 +25,7 @@ use super::{Rejection, reject};
 use crate::cascade::CascadeError;
 use crate::cascade::DevicePins;
 use crate::geometry::GroupIndex;
-use crate::gpu::cuda::Rows;
-use crate::gpu::engine::{Descriptor, Engine, Lane, PartedRestore, PooledEvent, Runs};
+use crate::gpu::engine::{Engine, Lane, PartedRestore, PooledEvent, Runs};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -74,220 +75,6 @@ fn copy_results(n: usize, r: &Result<(), String>) -> Vec<Result<(), CascadeError
             Err(e) => Err(CascadeError::RegionFault(format!("GPU copy failed: {e}"))),
         })
         .collect()
-}
-
-/// Whether batches of one row shape go to the rows kernel (the default:
-/// one descriptor a group, 0.78-0.87x of one big copy on the H200), or,
-/// with `KVFS_GPU_ROWS=pieces` in the daemon's environment, every strided
-/// batch moves in pieces of whole rows through the plain kernel (one
-/// descriptor a row: 0.36x there). Mixed shapes always move in pieces.
-fn rows_kernel() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KVFS_GPU_ROWS").as_deref() != Ok("pieces"))
-}
-
-/// How a batch's groups move: as one copy each (contiguous entries, or
-/// entries all of one row shape, which the rows kernel lays out), or, for a
-/// mix of shapes, as pieces of `unit` bytes, the largest size dividing
-/// every entry's row (a contiguous entry is one row of `gb`).
-#[derive(Clone, Copy)]
-pub(super) struct Shape {
-    /// Copies a group (`gb / unit`).
-    per: usize,
-    pub(super) unit: u64,
-    /// Every entry's (row, pitch), for the rows kernel (per 1).
-    rows: Option<(u64, u64)>,
-}
-
-impl Shape {
-    pub(super) fn of(work: &Batch, gb: u64) -> Shape {
-        fn gcd(a: u64, b: u64) -> u64 {
-            if b == 0 { a } else { gcd(b, a % b) }
-        }
-        let first = work
-            .items
-            .first()
-            .map(|it| (it.row_bytes, it.pitch))
-            .filter(|_| rows_kernel());
-        let uniform = work
-            .items
-            .iter()
-            .all(|it| Some((it.row_bytes, it.pitch)) == first);
-        match first {
-            Some((r, pitch)) if uniform && r != 0 => Shape {
-                per: 1,
-                unit: gb,
-                rows: Some((r as u64, pitch)),
-            },
-            _ => {
-                let unit = work.items.iter().fold(gb, |u, it| gcd(u, it.rows(gb).0));
-                Shape {
-                    per: (gb / unit) as usize,
-                    unit,
-                    rows: None,
-                }
-            }
-        }
-    }
-
-    /// What `pieces` makes: None (a copy a group, from the entry's
-    /// offset) for the rows kernel, else pieces of `unit`.
-    pub(super) fn piece(&self) -> Option<u64> {
-        self.rows.is_none().then_some(self.unit)
-    }
-
-    /// The rows kernel's shape (rows on the destination for a restore).
-    pub(super) fn kernel_rows(&self, restore: bool) -> Option<Rows> {
-        self.rows.map(|(row, pitch)| Rows {
-            row,
-            pitch,
-            strided_dst: restore,
-        })
-    }
-
-    /// Piece size for the copy engines, whose copies are contiguous.
-    fn engine_unit(&self) -> u64 {
-        self.rows.map_or(self.unit, |(row, _)| row)
-    }
-}
-
-/// The copies of `unit` bytes of `items` (of `work`) in order (entry by
-/// entry, row by row; None: one a group): between `slot(i)`, entry i's
-/// contiguous slot (T1 or staging; 0 skips the entry), and its rows in the
-/// region; from the slot with `to_region`, into it otherwise (a store).
-pub(super) fn pieces<'a, F: Fn(usize) -> u64>(
-    work: &'a Batch,
-    items: &'a [Item],
-    gb: u64,
-    unit: Option<u64>,
-    slot: F,
-    to_region: bool,
-) -> Pieces<'a, F> {
-    Pieces {
-        work,
-        items,
-        gb,
-        unit,
-        slot,
-        to_region,
-        next_item: 0,
-        at: Piece::default(),
-    }
-}
-
-/// The iterator `pieces` returns: a plain state machine (entry, row,
-/// piece), where nested `flat_map`s took ~20 ns a descriptor (80 µs for
-/// the 4096 of a 4 KiB ticket on the CPU machine), and an exact length for
-/// whole groups, so a collect allocates once.
-pub(super) struct Pieces<'a, F> {
-    work: &'a Batch,
-    items: &'a [Item],
-    gb: u64,
-    unit: Option<u64>,
-    slot: F,
-    to_region: bool,
-    next_item: usize,
-    at: Piece,
-}
-
-/// Where `Pieces` is in the current entry: its slot and region address,
-/// its shape in pieces of `unit`, and the next row and piece.
-#[derive(Default)]
-struct Piece {
-    slot: u64,
-    region: u64,
-    unit: u64,
-    row: u64,
-    pitch: u64,
-    rows: u64,
-    per_row: u64,
-    k: u64,
-    m: u64,
-}
-
-impl<F> Pieces<'_, F> {
-    /// The copy between `at_slot` and `at_region` (of an entry whose slot
-    /// is `slot`: 0 skips it), in this direction.
-    fn descriptor(&self, slot: u64, at_slot: u64, at_region: u64) -> Descriptor {
-        match (slot, self.to_region) {
-            (0, _) => Descriptor { src: 0, dst: 0 },
-            (_, true) => Descriptor {
-                src: at_slot,
-                dst: at_region,
-            },
-            (_, false) => Descriptor {
-                src: at_region,
-                dst: at_slot,
-            },
-        }
-    }
-}
-
-impl<F: Fn(usize) -> u64> Iterator for Pieces<'_, F> {
-    type Item = Descriptor;
-
-    // Inlined: called out of line, its result went back through memory
-    // as two 8-byte stores read by one 16-byte load, a stall a copy.
-    #[inline(always)]
-    fn next(&mut self) -> Option<Descriptor> {
-        if self.unit.is_none() {
-            // Whole groups, one copy an entry: no row state.
-            let it = self.items.get(self.next_item)?;
-            let s = (self.slot)(self.next_item);
-            self.next_item += 1;
-            let r = self.work.region(it).device_addr(it.offset).unwrap_or(0);
-            return Some(self.descriptor(s, s, r));
-        }
-        while self.at.k >= self.at.rows {
-            let it = self.items.get(self.next_item)?;
-            let i = self.next_item;
-            self.next_item += 1;
-            let (unit, (row, pitch, rows)) = match self.unit {
-                Some(u) => (u, it.rows(self.gb)),
-                None => (self.gb, (self.gb, self.gb, 1)),
-            };
-            let per_row = row / unit;
-            self.at = Piece {
-                slot: (self.slot)(i),
-                region: self.work.region(it).device_addr(it.offset).unwrap_or(0),
-                unit,
-                row,
-                pitch,
-                rows: if per_row == 0 { 0 } else { rows },
-                per_row,
-                k: 0,
-                m: 0,
-            };
-        }
-        let p = &mut self.at;
-        let (k, m) = (p.k, p.m);
-        p.m += 1;
-        if p.m == p.per_row {
-            (p.k, p.m) = (k + 1, 0);
-        }
-        let s = p.slot;
-        let (at_slot, at_region) = (
-            s + k * p.row + m * p.unit,
-            p.region + k * p.pitch + m * p.unit,
-        );
-        Some(self.descriptor(s, at_slot, at_region))
-    }
-
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        let p = &self.at;
-        let here = match p.k < p.rows {
-            true => ((p.rows - p.k) * p.per_row - p.m) as usize,
-            false => 0,
-        };
-        match self.unit {
-            // Whole groups: one copy an entry.
-            None => {
-                let n = here + self.items.len() - self.next_item;
-                (n, Some(n))
-            }
-            Some(_) => (here, None),
-        }
-    }
 }
 
 /// Groups a part of a restore pinned on admission holds at least:
@@ -347,6 +134,27 @@ fn restore_parts(n: usize, busy: usize) -> usize {
         return 1;
     }
     when.parts(n, busy)
+}
+
+/// Whether a restore resolved by an executor job goes on the fd's lane,
+/// in order with its other tickets, not on a stream of its own
+/// (`KVFS_RESTORE_LATER_LANE`: `auto`, the default, when its size alone
+/// sent it there, not groups found missing or busy; `on`; `off`). Tickets
+/// on streams of their own run side by side and end together, leaving the
+/// bus idle while the next are pinned: 4 KiB × 4096 restores, 4 in flight,
+/// ran at 0.76× / 0.79× of one big copy so (ioctls / ring), 0.87× / 0.88×
+/// on the lane (an H100, 2026-12-07, same call). A batch with misses on
+/// the lane holds the fd's later tickets until its backing reads are done.
+fn later_on_lane(size_only: bool) -> bool {
+    static WHEN: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let when = WHEN.get_or_init(
+        || match std::env::var("KVFS_RESTORE_LATER_LANE").as_deref() {
+            Ok("on") | Ok("1") => Some(true),
+            Ok("off") | Ok("0") => Some(false),
+            _ => None,
+        },
+    );
+    when.unwrap_or(size_only)
 }
 
 /// What `restore_in_parts` did.
@@ -457,11 +265,20 @@ impl Session {
                 Parted::Done(reply) => return Ok(reply),
                 Parted::NotInT1 => {
                     let t = (ticket, done);
-                    return self.restore_later(gpu, work, groups, shape, None, timing, t);
+                    return self.restore_later(gpu, work, groups, shape, None, timing, t, false);
                 }
                 Parted::Rest(held) => {
                     let t = (ticket, done);
-                    return self.restore_later(gpu, work, groups, shape, Some(*held), timing, t);
+                    return self.restore_later(
+                        gpu,
+                        work,
+                        groups,
+                        shape,
+                        Some(*held),
+                        timing,
+                        t,
+                        false,
+                    );
                 }
                 Parted::Runs => {}
             }
@@ -472,7 +289,8 @@ impl Session {
         };
         let Some((addrs, pins)) = pinned else {
             let t = (ticket, done);
-            return self.restore_later(gpu, work, groups, shape, None, timing, t);
+            let size_only = n > PIN_ON_ADMISSION_MAX;
+            return self.restore_later(gpu, work, groups, shape, None, timing, t, size_only);
         };
         let resident_us = checked.elapsed().as_micros() as u64;
         let items = &work.items;
@@ -503,7 +321,7 @@ impl Session {
                 unit,
                 shape.kernel_rows(true),
                 &mut lane.lock(),
-                pieces(&work, items, gb, shape.piece(), |i| addrs[i], true),
+                restore_descs(&work, items, gb, shape, |i| addrs[i]),
                 signal,
             )
             .map_err(restore_failed)?;
@@ -592,7 +410,7 @@ impl Session {
                 },
             };
             let items = &work.items[at..end];
-            let descs = pieces(work, items, gb, shape.piece(), |i| addrs[i], true);
+            let descs = restore_descs(work, items, gb, shape, |i| addrs[i]);
             // SAFETY: every descriptor names a pinned, read-locked T1 slot
             // (held until the copy is done: `release_after` or the rest's
             // completion) and a checked range of a live CUDA region (the
@@ -632,7 +450,8 @@ impl Session {
 
     /// A restore resolved by an executor job: T1 hits pinned, misses read
     /// from the backing into staging, then described; its copy, enqueued
-    /// now on a stream of its own behind a flag the job sets, waits for
+    /// now behind a flag the job sets (on the lane where `size_only` alone
+    /// sent it here, see `later_on_lane`, else on a stream of its own), waits for
     /// `held`'s parts (the batch's first `done` entries, launched
     /// already) too, so the ticket's event covers the whole batch.
     #[expect(clippy::too_many_arguments, reason = "one restore, all its parts")]
@@ -645,12 +464,15 @@ impl Session {
         held: Option<Held>,
         (admitted, checks_us): (Instant, u64),
         (ticket, done): (u64, Option<DoneWord>),
+        size_only: bool,
     ) -> Result<Reply, Rejection> {
         let layout = self.ctl.cascade.layout();
         let (gb, stride) = (layout.group_bytes(), layout.stride() as usize);
         let skip = held.as_ref().map_or(0, |h| h.done);
         let n = work.len() - skip;
         let groups = groups[skip..].to_vec();
+        let on = later_on_lane(size_only).then(|| self.lane(&gpu));
+        let mut guard = on.as_ref().map(|l| l.lock());
         let mut copy = gpu
             .restore(
                 n * shape.per,
@@ -658,12 +480,14 @@ impl Session {
                 stride,
                 n,
                 shape.kernel_rows(true),
-                None,
+                guard.as_mut(),
                 None,
                 held.as_ref().map(|h| &***h.copy.event()),
                 DoneWord::signal(done.as_ref(), ticket),
             )
             .map_err(restore_failed)?;
+        drop(guard);
+        let entered = on.as_ref().map(|l| l.enter());
         let reply = self.gpu_reply(ticket, copy.event());
         let s = self.clone();
         let started = Instant::now();
@@ -720,7 +544,7 @@ impl Session {
                 let pin_us = job_started.elapsed().as_micros() as u64;
                 let ok = |i: usize| if results[i].is_ok() { src[i] } else { 0 };
                 let items = &work.items[skip..];
-                copy.describe(pieces(&work, items, gb, shape.piece(), ok, true));
+                copy.describe(restore_descs(&work, items, gb, shape, ok));
                 tracing::debug!(
                     ticket,
                     misses,
@@ -755,6 +579,7 @@ impl Session {
                     s.complete(Command::Restore, ticket, started, all);
                     // Written by the copy's stream, before the event.
                     drop(done);
+                    drop(entered);
                 }));
             }),
         );
@@ -864,79 +689,5 @@ mod tests {
         for off in ["off", "0", "x"] {
             assert_eq!(PartsWhen::parse(Some(off)).parts(2048, 0), 1, "{off}");
         }
-    }
-
-    /// `pieces` makes, entry by entry and row by row, the copies a plain
-    /// nested loop makes: contiguous entries, rows, skipped entries (slot
-    /// 0), both directions, whole groups and pieces of rows.
-    #[test]
-    fn pieces_match_a_plain_loop() {
-        let dir = tempfile::tempdir().unwrap();
-        let f = dir.path().join("region");
-        std::fs::write(&f, vec![0u8; 1 << 20]).unwrap();
-        let path = f.as_os_str().as_encoded_bytes();
-        let region = super::super::region::Region::map_host(path, 1 << 20, 0, 0).unwrap();
-        let gb = 1024u64;
-        let item = |i: u64, row_bytes: u32, pitch: u64| Item {
-            g: GroupIndex(i),
-            region: 0,
-            offset: i * 4096,
-            row_bytes,
-            pitch,
-        };
-        let items = vec![
-            item(0, 0, 0),
-            item(1, 256, 512),
-            item(2, 0, 0),
-            item(3, 128, 1024),
-            item(4, 512, 512),
-        ];
-        let work = Batch::of(vec![Arc::new(region)], items.clone());
-        let slot = |i: usize| {
-            if i == 2 {
-                0
-            } else {
-                (1 << 30) + i as u64 * 8192
-            }
-        };
-        for unit in [None, Some(128u64), Some(64)] {
-            for to_region in [true, false] {
-                let got: Vec<Descriptor> =
-                    pieces(&work, &items, gb, unit, slot, to_region).collect();
-                let mut want = Vec::new();
-                for (i, it) in items.iter().enumerate() {
-                    let s = slot(i);
-                    let r = work.region(it).device_addr(it.offset).unwrap_or(0);
-                    let (u, (row, pitch, rows)) = match unit {
-                        Some(u) => (u, it.rows(gb)),
-                        None => (gb, (gb, gb, 1)),
-                    };
-                    for k in 0..rows {
-                        for m in 0..row / u {
-                            let (a, b) = (s + k * row + m * u, r + k * pitch + m * u);
-                            want.push(match (s, to_region) {
-                                (0, _) => Descriptor { src: 0, dst: 0 },
-                                (_, true) => Descriptor { src: a, dst: b },
-                                (_, false) => Descriptor { src: b, dst: a },
-                            });
-                        }
-                    }
-                }
-                assert_eq!(got, want, "unit {unit:?}, to_region {to_region}");
-                // The length it promises holds all the way.
-                let mut p = pieces(&work, &items, gb, unit, slot, to_region);
-                for left in (0..=want.len()).rev() {
-                    let (lo, hi) = p.size_hint();
-                    assert!(lo <= left && hi.is_none_or(|h| h >= left), "{unit:?}");
-                    if unit.is_none() {
-                        assert_eq!((lo, hi), (left, Some(left)));
-                    }
-                    assert_eq!(p.next().is_some(), left > 0);
-                }
-                assert!(want.len() >= items.len());
-            }
-        }
-        // Nothing to copy: nothing.
-        assert_eq!(pieces(&work, &[], gb, None, slot, true).count(), 0);
     }
 }

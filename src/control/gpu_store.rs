@@ -6,7 +6,8 @@
 //! land in staging and are written into T1 after.
 
 use super::admit::{Batch, Item};
-use super::gpu::{Shape, no_driver, pieces};
+use super::descs::{Shape, in_host_order, pieces};
+use super::gpu::no_driver;
 use super::session::Session;
 use super::wire::{Command, NO_ENTRY, Reply};
 use super::{Rejection, reject};
@@ -189,8 +190,9 @@ impl StoreChunk<'_> {
             // and checked offset + group_bytes inside it.
             let slot_at = |k: usize| direct[k].unwrap_or(copy.staging_addr(at.start + k));
             let part_items = &items[at.clone()];
-            let descs: Vec<Descriptor> =
+            let mut descs: Vec<Descriptor> =
                 pieces(work, part_items, gb, shape.piece(), slot_at, false).collect();
+            in_host_order(&mut descs, shape.unit, false);
             staged.extend(at.clone().filter(|&i| direct[i - at.start].is_none()));
             spent.claim_us += ts.elapsed().as_micros() as u64;
             // SAFETY: every descriptor names a checked range of a live

@@ -17,6 +17,7 @@
 //! `fs` adapts it.
 
 mod admit;
+mod descs;
 mod done;
 mod exec;
 mod gpu;
