@@ -220,26 +220,32 @@ impl<F: Fn(usize) -> u64> Iterator for Pieces<'_, F> {
     }
 }
 
-/// Puts descriptors in the order of their host side's addresses (the
-/// source of a restore, `host_src`, the destination of a store), so the
-/// device walks host memory upwards (the kernel copies each descriptor
-/// alike in any order), where `KVFS_GPU_SORT` says: `off` (the default),
-/// `auto` (copies under 16 KiB), `on` (all). An H100 behind a translating
-/// IOMMU gathered 4 KiB groups of a 64 MiB span at 0.91× of one big copy
-/// at random, 1.0× upwards (`tools/gather_probe.cu`); not yet measured
-/// through kvfs, so not the default (a sort of 4096 costs ~47 µs).
-pub(super) fn in_host_order(d: &mut [Descriptor], unit: u64, host_src: bool) {
+/// Below how many bytes a copy's descriptors go in the order of their
+/// host side's addresses (`KVFS_GPU_SORT`: `off`, the default, 0; `auto`,
+/// copies under 16 KiB; `on`, all), so the device walks host memory
+/// upwards (the kernel copies each descriptor alike in any order). An
+/// H100 behind a translating IOMMU gathered 4 KiB groups of a 64 MiB span
+/// at 0.91× of one big copy at random, 1.0× upwards
+/// (`tools/gather_probe.cu`); not yet measured through kvfs, so not the
+/// default (a sort of 4096 costs ~47 µs on the CPU machine).
+fn sort_below() -> u64 {
     static BELOW: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let below = *BELOW.get_or_init(|| match std::env::var("KVFS_GPU_SORT").as_deref() {
+    *BELOW.get_or_init(|| match std::env::var("KVFS_GPU_SORT").as_deref() {
         Ok("on") => u64::MAX,
         Ok("auto") => 16 << 10,
         _ => 0,
-    });
-    sort_below(d, unit, host_src, below);
+    })
+}
+
+/// Puts descriptors of copies of `unit` bytes in the order of their host
+/// side's addresses (the source of a restore, `host_src`, the destination
+/// of a store) where `sort_below` says so.
+pub(super) fn in_host_order(d: &mut [Descriptor], unit: u64, host_src: bool) {
+    sort_by_host(d, unit, host_src, sort_below());
 }
 
 /// `in_host_order` for copies of fewer than `below` bytes.
-fn sort_below(d: &mut [Descriptor], unit: u64, host_src: bool, below: u64) {
+fn sort_by_host(d: &mut [Descriptor], unit: u64, host_src: bool, below: u64) {
     if unit < below {
         match host_src {
             true => d.sort_unstable_by_key(|x| x.src),
@@ -248,17 +254,40 @@ fn sort_below(d: &mut [Descriptor], unit: u64, host_src: bool, below: u64) {
     }
 }
 
-/// A restore's descriptors (`pieces` into regions), in host order.
-pub(super) fn restore_descs<F: Fn(usize) -> u64>(
-    work: &Batch,
-    items: &[Item],
+/// A restore's descriptors: `pieces` into regions, as they come or, where
+/// `sort_below` says so, gathered and put in host order.
+pub(super) enum RestoreDescs<I> {
+    AsTheyCome(I),
+    Sorted(std::vec::IntoIter<Descriptor>),
+}
+
+impl<I: Iterator<Item = Descriptor>> Iterator for RestoreDescs<I> {
+    type Item = Descriptor;
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<Descriptor> {
+        match self {
+            RestoreDescs::AsTheyCome(i) => i.next(),
+            RestoreDescs::Sorted(v) => v.next(),
+        }
+    }
+}
+
+/// `RestoreDescs` of `items` (of `work`) from `slot(i)`.
+pub(super) fn restore_descs<'a, F: Fn(usize) -> u64>(
+    work: &'a Batch,
+    items: &'a [Item],
     gb: u64,
     shape: Shape,
     slot: F,
-) -> std::vec::IntoIter<Descriptor> {
-    let mut d: Vec<_> = pieces(work, items, gb, shape.piece(), slot, true).collect();
-    in_host_order(&mut d, shape.unit, true);
-    d.into_iter()
+) -> RestoreDescs<Pieces<'a, F>> {
+    let p = pieces(work, items, gb, shape.piece(), slot, true);
+    if shape.unit >= sort_below() {
+        return RestoreDescs::AsTheyCome(p);
+    }
+    let mut d: Vec<_> = p.collect();
+    sort_by_host(&mut d, shape.unit, true, u64::MAX);
+    RestoreDescs::Sorted(d.into_iter())
 }
 
 #[cfg(test)]
@@ -276,13 +305,13 @@ mod tests {
         let d = |src: u64, dst: u64| Descriptor { src, dst };
         let batch = vec![d(30, 1), d(10, 3), d(0, 0), d(20, 2)];
         let mut r = batch.clone();
-        sort_below(&mut r, 4096, true, 16 << 10);
+        sort_by_host(&mut r, 4096, true, 16 << 10);
         assert_eq!(r, vec![d(0, 0), d(10, 3), d(20, 2), d(30, 1)]);
         let mut s = batch.clone();
-        sort_below(&mut s, 4096, false, 16 << 10);
+        sort_by_host(&mut s, 4096, false, 16 << 10);
         assert_eq!(s, vec![d(0, 0), d(30, 1), d(20, 2), d(10, 3)]);
         let mut big = batch.clone();
-        sort_below(&mut big, 16 << 10, true, 16 << 10);
+        sort_by_host(&mut big, 16 << 10, true, 16 << 10);
         assert_eq!(big, batch);
         let mut default = batch.clone();
         in_host_order(&mut default, 4096, true);
@@ -361,5 +390,10 @@ mod tests {
         }
         // Nothing to copy: nothing.
         assert_eq!(pieces(&work, &[], gb, None, slot, true).count(), 0);
+        // A restore's descriptors, KVFS_GPU_SORT unset: `pieces` as they come.
+        let shape = Shape::of(&work, gb);
+        let got: Vec<Descriptor> = restore_descs(&work, &items, gb, shape, slot).collect();
+        let want: Vec<Descriptor> = pieces(&work, &items, gb, shape.piece(), slot, true).collect();
+        assert_eq!(got, want);
     }
 }
