@@ -10,7 +10,7 @@
 #        parts:.devbin/kvfs-bin:KVFS_RESTORE_PART_GROUPS=on
 #
 # Sizes: 16 (16 KiB groups, batches of 1024, T1 6 GiB) and 4 (4 KiB,
-# llama-3.1-8b, batches of 4096, T1 4 GiB); 4 tickets in flight, 128
+# llama-3.1-8b, batches of 4096, T1 12 GiB); 4 tickets in flight, 128
 # batches, through RESTORE/STORE calls and the ring. LOG=debug adds the
 # daemon's per-ticket timings to its log, copied to $OUT when set.
 set -u
