@@ -282,11 +282,17 @@ pub(super) fn restore_descs<'a, F: Fn(usize) -> u64>(
     slot: F,
 ) -> RestoreDescs<Pieces<'a, F>> {
     let p = pieces(work, items, gb, shape.piece(), slot, true);
-    if shape.unit >= sort_below() {
+    restore_order(p, shape.unit, sort_below())
+}
+
+/// A restore's descriptors `p` (copies of `unit` bytes) as they come, or,
+/// for copies under `below` bytes, gathered in the order of their sources.
+fn restore_order<I: Iterator<Item = Descriptor>>(p: I, unit: u64, below: u64) -> RestoreDescs<I> {
+    if unit >= below {
         return RestoreDescs::AsTheyCome(p);
     }
     let mut d: Vec<_> = p.collect();
-    sort_by_host(&mut d, shape.unit, true, u64::MAX);
+    sort_by_host(&mut d, unit, true, below);
     RestoreDescs::Sorted(d.into_iter())
 }
 
@@ -395,5 +401,14 @@ mod tests {
         let got: Vec<Descriptor> = restore_descs(&work, &items, gb, shape, slot).collect();
         let want: Vec<Descriptor> = pieces(&work, &items, gb, shape.piece(), slot, true).collect();
         assert_eq!(got, want);
+        // Under the bound, gathered in source order; at it, as they come.
+        let mut sorted = want.clone();
+        sorted.sort_unstable_by_key(|x| x.src);
+        let u = shape.unit;
+        let p = pieces(&work, &items, gb, shape.piece(), slot, true);
+        assert_eq!(restore_order(p, u, u + 1).collect::<Vec<_>>(), sorted);
+        let p = pieces(&work, &items, gb, shape.piece(), slot, true);
+        assert_eq!(restore_order(p, u, u).collect::<Vec<_>>(), want);
+        assert_ne!(sorted, want, "the test's sources are not already in order");
     }
 }

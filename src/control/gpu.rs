@@ -139,7 +139,7 @@ fn restore_parts(n: usize, busy: usize) -> usize {
 /// Whether a restore resolved by an executor job goes on the fd's lane,
 /// in order with its other tickets, not on a stream of its own
 /// (`KVFS_RESTORE_LATER_LANE`: `auto`, the default, when its size alone
-/// sent it there, not groups found missing or busy; `on`; `off`). Tickets
+/// sent it there, not groups found missing or busy; `on` or 1; `off` or 0). Tickets
 /// on streams of their own run side by side and end together, leaving the
 /// bus idle while the next are pinned: 4 KiB × 4096 restores, 4 in flight,
 /// ran at 0.76× / 0.79× of one big copy so (ioctls / ring), 0.87× / 0.88×
