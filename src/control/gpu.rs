@@ -3,7 +3,8 @@
 //!
 //! The engine copies; this room decides what it copies. A restore is
 //! enqueued on admission (so the reply can carry the ticket's IPC event).
-//! A batch all in T1 (up to PIN_ON_ADMISSION_MAX groups) is pinned then and there (its slots cannot be
+//! A batch all in T1 (up to PIN_ON_ADMISSION_MAX groups, or any size in
+//! parts when the fd's lane is idle) is pinned then and there (its slots cannot be
 //! evicted or rewritten until the copy is done), its descriptors written
 //! and its copy let go on the fd's ordered lane, with no staging; the
 //! engine's completion thread waits for it and unpins. Any other batch is
@@ -112,8 +113,13 @@ impl PartsWhen {
     }
 
     /// The parts a restore of `n` groups pinned on admission is launched
-    /// in, with `busy` other tickets of its lane copying.
+    /// in, with `busy` other tickets of its lane copying; 1 for a batch
+    /// of over PIN_ON_ADMISSION_MAX groups unless the lane is idle (that
+    /// one is then pinned by an executor job, beside other tickets').
     fn parts(self, n: usize, busy: usize) -> usize {
+        if n > PIN_ON_ADMISSION_MAX && busy > 0 {
+            return 1;
+        }
         let least = match self {
             PartsWhen::Idle(g) if busy == 0 => g,
             PartsWhen::Always(g) => g,
@@ -242,16 +248,15 @@ impl Session {
         let timing = (admitted, checks_us);
         // A batch all in T1 (and of at most PIN_ON_ADMISSION_MAX groups)
         // is pinned here, looked up once, needs no staging, and goes on the
-        // fd's ordered lane. Only such batches use
-        // the lane, and each is let go before the lane is: no copy on the
-        // lane waits for a job.
+        // fd's ordered lane, let go before the lane is. A bigger batch is
+        // pinned here too, in parts, when its lane is idle (one ticket at a
+        // time): nobody waits behind this admission, and the first part
+        // copies while the next are pinned, where an executor job would
+        // pin the whole batch before any of it copied.
         let groups: Vec<GroupIndex> = work.items.iter().map(|it| it.g).collect();
         let lane = self.lane(&gpu);
-        let parts = match n <= PIN_ON_ADMISSION_MAX {
-            true => restore_parts(n, lane.busy()),
-            false => 1,
-        };
-        if n <= PIN_ON_ADMISSION_MAX && parts > 1 {
+        let parts = restore_parts(n, lane.busy());
+        if parts > 1 {
             let parted = self.restore_in_parts(
                 &gpu,
                 &work,
@@ -344,8 +349,8 @@ impl Session {
         Ok(reply)
     }
 
-    /// A restore of up to PIN_ON_ADMISSION_MAX groups pinned and launched
-    /// on the fd's lane a part at a time: each part's groups looked up and
+    /// A restore (of up to PIN_ON_ADMISSION_MAX groups, or any size on an
+    /// idle lane) pinned and launched on the fd's lane a part at a time: each part's groups looked up and
     /// pinned, described and launched before the next part's are looked
     /// up, so the copy starts after a part's lookups, not the whole
     /// batch's (one ticket at a time, those lookups were a third of a
@@ -683,6 +688,10 @@ mod tests {
         assert_eq!(auto.parts(1024, 1), 1);
         assert_eq!(auto.parts(100, 0), 1);
         assert_eq!(auto.parts(2048, 0), RESTORE_PARTS_MAX);
+        // Over PIN_ON_ADMISSION_MAX: parts on an idle lane only, even `on`.
+        assert_eq!(auto.parts(4096, 0), RESTORE_PARTS_MAX);
+        assert_eq!(auto.parts(4096, 1), 1);
+        assert_eq!(PartsWhen::parse(Some("on")).parts(4096, 2), 1);
         let on = PartsWhen::parse(Some("on"));
         assert_eq!((on.parts(1024, 0), on.parts(1024, 3)), (4, 4));
         assert_eq!(PartsWhen::parse(Some("128")).parts(1024, 2), 8);
