@@ -642,15 +642,37 @@ impl Cuda {
         signal: Signal,
         event: &IpcEvent,
     ) -> Result<(), String> {
+        // SAFETY: the caller's contract, as enqueue_gather_part's.
+        unsafe { self.enqueue_gather_part(stream, ready.map(|r| (r, 1)), descs, n, bytes, rows) }?;
+        self.enqueue_end(stream, signal, event)
+    }
+
+    /// One part of a gather: the stream waits for the u32 at `ready.0` to
+    /// reach `ready.1` (or not at all), then copies the `n` groups whose
+    /// descriptors are at `descs`. Nothing is recorded: `enqueue_end`
+    /// follows the last part.
+    ///
+    /// # Safety
+    /// As `enqueue_gather`'s, for these `n` descriptors, kept alive until
+    /// the event `enqueue_end` records completes.
+    pub unsafe fn enqueue_gather_part(
+        &self,
+        stream: &Stream,
+        ready: Option<(u64, u32)>,
+        descs: u64,
+        n: u32,
+        bytes: u64,
+        rows: Option<Rows>,
+    ) -> Result<(), String> {
         self.bind()?;
         let f = self.gather(rows.is_some())?;
-        if let Some(ready) = ready {
+        if let Some((ready, value)) = ready {
             // SAFETY: ready is mapped pinned memory (caller's contract).
             let r = unsafe {
                 sys::cuStreamWaitValue32_v2(
                     stream.0,
                     ready,
-                    1,
+                    value,
                     sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
                 )
             };
@@ -696,6 +718,17 @@ impl Cuda {
             };
             check(r, "cuLaunchKernel(kvfs_gather)")?;
         }
+        Ok(())
+    }
+
+    /// Ends a gather enqueued in parts: its done word (if any), then
+    /// `event`, recorded after every part.
+    pub fn enqueue_end(
+        &self,
+        stream: &Stream,
+        signal: Signal,
+        event: &IpcEvent,
+    ) -> Result<(), String> {
         self.write_signal(stream, signal)?;
         // SAFETY: event and stream are live handles of this context.
         let r = unsafe { sys::cuEventRecord(event.ev, stream.0) };

@@ -111,14 +111,21 @@ impl ReadyFlag {
         }
     }
 
+    /// Lets every part of the copy run (their waits are for 1, 2, …).
     fn set(&mut self) {
-        std::sync::atomic::fence(Ordering::SeqCst);
-        // SAFETY: the pointer is the first word of a live pinned table.
-        unsafe { std::ptr::write_volatile(self.flag, 1) };
-        std::sync::atomic::fence(Ordering::SeqCst);
+        self.let_through(u32::MAX);
         if std::mem::take(&mut self.window) {
             super::cuda::close_window();
         }
+    }
+
+    /// Lets the first `parts` parts of the copy run, the window kept open
+    /// for the rest.
+    fn let_through(&mut self, parts: u32) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        // SAFETY: the pointer is the first word of a live pinned table.
+        unsafe { std::ptr::write_volatile(self.flag, parts) };
+        std::sync::atomic::fence(Ordering::SeqCst);
     }
 }
 
@@ -395,7 +402,11 @@ impl Engine {
     /// before the stream is told to wait: pinning memory makes CUDA wait
     /// for the device to go idle, and the device then waits on this
     /// restore's flag, which only `finish` (or drop) sets. With `descs`
-    /// (all the copies, known now), see `restore_now`.
+    /// (all the copies, known now), see `restore_now`. Without, the copy
+    /// is enqueued in parts ending at `ends` (ascending, the last `n`;
+    /// empty: one part), each let through by `let_through` once its
+    /// descriptors are written, so the first copies while the host looks
+    /// up the next.
     #[expect(clippy::too_many_arguments, reason = "one restore, all its parts")]
     pub fn restore(
         &self,
@@ -408,6 +419,7 @@ impl Engine {
         descs: Option<&mut dyn Iterator<Item = Descriptor>>,
         after: Option<&IpcEvent>,
         signal: Signal,
+        ends: &[usize],
     ) -> Result<Restore, String> {
         let c = self.pool.driver()?;
         let pool = &self.pool;
@@ -461,22 +473,38 @@ impl Engine {
         if let Some(after) = after {
             c.stream_wait_event(stream, after)?;
         }
-        // SAFETY: the table holds FLAG_BYTES + DESCRIPTOR_BYTES × n bytes
-        // (take_table), device-mapped; it lives in `r` until the event
-        // completes (finish, or drop); every descriptor is written before
-        // the flag is set, or (now) before this call.
-        let e = unsafe {
-            c.enqueue_gather(
-                stream,
-                (!now).then_some(table_dev),
-                table_dev + FLAG_BYTES as u64,
-                n as u32,
-                bytes,
-                rows,
-                signal,
-                &r.event,
-            )
+        let whole = [n];
+        let ends = match ends.is_empty() || now {
+            true => &whole[..],
+            false => ends,
         };
+        assert!(
+            ends.windows(2).all(|w| w[0] < w[1]) && ends.last() == Some(&n),
+            "parts ascend and end at n"
+        );
+        let mut at = 0;
+        let mut enqueue = || {
+            for (k, &end) in ends.iter().enumerate() {
+                // SAFETY: the table holds FLAG_BYTES + DESCRIPTOR_BYTES × n
+                // bytes (take_table), device-mapped; it lives in `r` until
+                // the event completes (finish, or drop); every descriptor
+                // of part k is written before the flag reaches k + 1
+                // (`let_through`, `start`), or (now) before this call.
+                unsafe {
+                    c.enqueue_gather_part(
+                        stream,
+                        (!now).then_some((table_dev, k as u32 + 1)),
+                        table_dev + (FLAG_BYTES + DESCRIPTOR_BYTES * at) as u64,
+                        (end - at) as u32,
+                        bytes,
+                        rows,
+                    )
+                }?;
+                at = end;
+            }
+            c.enqueue_end(stream, signal, &r.event)
+        };
+        let e = enqueue();
         // Where a launch's time goes: the pooled table, event and stream;
         // the descriptors; the driver's enqueue.
         if now {
@@ -516,6 +544,7 @@ impl Engine {
             Some(&mut descs),
             None,
             signal,
+            &[],
         )
     }
 
@@ -847,6 +876,20 @@ impl Restore {
     pub fn describe(&mut self, descs: impl Iterator<Item = Descriptor>) {
         let table = self.table.as_mut().expect("until finished");
         write_descriptors(table, self.n, descs);
+    }
+
+    /// Writes descriptors `at..at + n` (those of `descs`, any left over
+    /// zero: skipped), the places of parts about to be let through.
+    pub fn describe_at(&mut self, at: usize, n: usize, descs: impl Iterator<Item = Descriptor>) {
+        let table = self.table.as_mut().expect("until finished");
+        assert!(at + n <= self.n, "places of the n copies taken");
+        write_descriptors_at(table, at, n, descs);
+    }
+
+    /// Lets the first `parts` parts of the copy run (`restore`'s `ends`),
+    /// their descriptors written (`describe_at`); `start` lets the rest.
+    pub fn let_through(&mut self, parts: usize) {
+        self.ready.let_through(parts as u32);
     }
 
     /// Lets the copy run once its descriptors are written (`describe`);
