@@ -333,6 +333,10 @@ pub struct Restore {
     event: Arc<PooledEvent>,
     pool: Arc<Pool>,
     finished: bool,
+    /// Where the parts of a copy waiting on its flag end (`restore`).
+    ends: Vec<usize>,
+    /// Descriptors of the parts let through (`let_through`).
+    through: usize,
 }
 
 /// A store's resources, reused for each chunk it launches.
@@ -443,6 +447,15 @@ impl Engine {
             write_descriptors(&mut table, n, descs);
         }
         let t2 = std::time::Instant::now();
+        let whole = [n];
+        let ends = match ends.is_empty() || now {
+            true => &whole[..],
+            false => ends,
+        };
+        assert!(
+            ends.windows(2).all(|w| w[0] < w[1]) && ends.last() == Some(&n),
+            "parts ascend and end at n"
+        );
         let flag = table.as_ptr().cast::<u32>();
         let r = Restore {
             ready: match now {
@@ -459,6 +472,8 @@ impl Engine {
             event,
             pool: pool.clone(),
             finished: false,
+            ends: ends.to_vec(),
+            through: 0,
         };
         // From here a failure drops `r`, which sets the flag, so whatever
         // was enqueued does not wait forever.
@@ -473,15 +488,6 @@ impl Engine {
         if let Some(after) = after {
             c.stream_wait_event(stream, after)?;
         }
-        let whole = [n];
-        let ends = match ends.is_empty() || now {
-            true => &whole[..],
-            false => ends,
-        };
-        assert!(
-            ends.windows(2).all(|w| w[0] < w[1]) && ends.last() == Some(&n),
-            "parts ascend and end at n"
-        );
         let mut at = 0;
         let mut enqueue = || {
             for (k, &end) in ends.iter().enumerate() {
@@ -586,6 +592,8 @@ impl Engine {
                 event,
                 pool: pool.clone(),
                 finished: false,
+                ends: Vec::new(),
+                through: 0,
             },
             table_dev,
             bytes,
@@ -889,6 +897,7 @@ impl Restore {
     /// Lets the first `parts` parts of the copy run (`restore`'s `ends`),
     /// their descriptors written (`describe_at`); `start` lets the rest.
     pub fn let_through(&mut self, parts: usize) {
+        self.through = self.ends[parts - 1];
         self.ready.let_through(parts as u32);
     }
 
@@ -920,8 +929,19 @@ impl Drop for Restore {
     fn drop(&mut self) {
         if !self.finished {
             // An unfinished restore (its caller failed): let the enqueued
-            // copy run, whatever its table holds, and wait for it before
-            // its memory is reused.
+            // copy run and wait for it before its memory is reused. Where
+            // its stream still waits on the flag, descriptors not yet
+            // written may be a pooled table's old ones: all are zeroed
+            // first (a zero source is skipped), so the copy writes nothing
+            // it was not told to (parts let through may lose copies; the
+            // ticket fails anyway).
+            if self.ready.window
+                && let Some(t) = self.table.as_mut()
+            {
+                // Past the parts let through, whose copies may be running.
+                let from = self.through;
+                write_descriptors_at(t, from, self.n - from, std::iter::empty());
+            }
             self.ready.set();
             let _ = self.c.wait_event(&self.event);
             self.release();
