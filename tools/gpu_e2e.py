@@ -253,9 +253,10 @@ def correctness(kv, gb, dev):
         print(f"correctness: restores of {4 * p} groups whose last or first {p} were never written "
               "(zeros) and the rest T1-resident, bit-identical")
     # A restore of over 2048 groups, one ticket at a time: the daemon's
-    # executor pins and describes it in parts, each let through as it is
-    # described; never-written groups (zeros, read from the backing) in
-    # the first part and across the next two parts' boundary.
+    # executor pins and describes it (in parts, each let through as it is
+    # described, with KVFS_RESTORE_LATER_PARTS=auto in the daemon's
+    # environment); never-written groups (zeros, read from the backing)
+    # in the first part and across the next two parts' boundary.
     if m >= 2400:
         fresh = keys_of(kv.layout, 600, start=kv.layout["groups"] - 600)
         ks = fresh[:300] + keys[:1200] + fresh[300:] + keys[1200:2400]

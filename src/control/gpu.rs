@@ -166,6 +166,21 @@ fn parts_when() -> PartsWhen {
         .get_or_init(|| PartsWhen::parse(std::env::var("KVFS_RESTORE_PART_GROUPS").ok().as_deref()))
 }
 
+/// Whether a restore the executor pins on the fd's lane may go in parts
+/// (`KVFS_RESTORE_LATER_PARTS`: `auto`, `on` or 1 as
+/// `KVFS_RESTORE_PART_GROUPS` says, see `PartsWhen::later_ends`; unset,
+/// `off` or 0: never). Off by default until it has run on a GPU: built
+/// after the last device call of 2026-12-07, it has not.
+fn later_parts() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        matches!(
+            std::env::var("KVFS_RESTORE_LATER_PARTS").as_deref(),
+            Ok("auto") | Ok("on") | Ok("1")
+        )
+    })
+}
+
 /// Whether a restore resolved by an executor job goes on the fd's lane,
 /// in order with its other tickets, not on a stream of its own
 /// (`KVFS_RESTORE_LATER_LANE`: `auto`, the default, when its size alone
@@ -481,8 +496,8 @@ impl Session {
     /// now behind a flag the job sets (on the lane where `size_only` alone
     /// sent it here, see `later_on_lane`, else on a stream of its own), waits for
     /// `held`'s parts (the batch's first `done` entries, launched
-    /// already) too, so the ticket's event covers the whole batch. On an
-    /// idle lane the copy is enqueued in parts (`PartsWhen::later_ends`),
+    /// already) too, so the ticket's event covers the whole batch. With
+    /// `later_parts`, on an idle lane the copy is enqueued in parts (`PartsWhen::later_ends`),
     /// each behind its own value of the flag, and the job pins, reads and
     /// describes a part at a time, letting each through as it is
     /// described: one 4 KiB × 4096 ticket at a time waited ~0.25 ms for
@@ -508,7 +523,7 @@ impl Session {
         // On an idle lane (one ticket at a time), in parts: the first part
         // copies while the job pins the next (see `later_ends`).
         let ends = match (&on, &held) {
-            (Some(l), None) if copy_mode() != CopyMode::Engines => {
+            (Some(l), None) if later_parts() && copy_mode() != CopyMode::Engines => {
                 parts_when().later_ends(n, l.busy())
             }
             _ => vec![n],
