@@ -495,8 +495,8 @@ impl Engine {
         if let Some(after) = after {
             c.stream_wait_event(stream, after)?;
         }
-        let mut at = 0;
-        let mut enqueue = || {
+        let enqueue = || {
+            let mut at = 0;
             for (k, &end) in ends.iter().enumerate() {
                 // SAFETY: the table holds FLAG_BYTES + DESCRIPTOR_BYTES × n
                 // bytes (take_table), device-mapped; it lives in `r` until
