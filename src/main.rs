@@ -26,6 +26,21 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// The daemon's environment variables, for `kvfs mount --help` (a test
+/// checks every one the sources read is here).
+const MOUNT_ENV: &str = "\
+Environment (read by the daemon when it starts; each default is the measured choice, see README):
+  RUST_LOG                              log filter, as --log
+  KVFS_GPU_COPY=auto|engines|kernel     restores of T1-resident groups: copy engines where slots join into runs, else the gather kernel (auto); or force one
+  KVFS_GPU_ROWS=pieces                  strided GPU entries as one copy a piece, not the rows kernel
+  KVFS_GPU_SORT=off|auto|on             GPU copies in the order of their host addresses (auto: copies under 16 KiB); default off
+  KVFS_RESTORE_PART_GROUPS=auto|on|N|off  GPU restores pinned on admission launched in parts (auto: one ticket at a time)
+  KVFS_RESTORE_LATER_LANE=auto|on|off   big GPU restores on the client's ordered lane (auto: those sent to the executor by size alone)
+  KVFS_RESTORE_LATER_PARTS=auto|off     big GPU restores on an idle lane in up to three parts; default off (not yet run on a GPU)
+  KVFS_STORE_PART_GROUPS=N|off          GPU store chunks launched in parts of N groups (default 1024)
+  KVFS_T1_PAGES=huge                    T1 on transparent huge pages registered with the CUDA driver
+  KVFS_T1_NUMA=off                      T1 not placed on the GPU's NUMA node";
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Mount kvfs: every KV group appears as a file L{layer}/B{block}/H{head}/{K|V}.
@@ -35,6 +50,7 @@ enum Cmd {
     /// store gets the llama-3.1-8b geometry with 4096 blocks of 16 tokens. An
     /// existing store keeps its own geometry; geometry options that disagree
     /// with it are refused. Returns once the mount is ready (or failed).
+    #[command(after_long_help = MOUNT_ENV)]
     Mount(cli::mount::MountArgs),
     /// Flush every dirty group to the backing, then unmount; returns when both are done.
     Umount { mountpoint: PathBuf },

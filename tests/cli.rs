@@ -23,6 +23,41 @@ fn help_explains_commands() {
     );
 }
 
+/// Every environment variable the daemon reads is listed in `kvfs mount
+/// --help` (found by reading the sources for `env::var("KVFS_…")`), but
+/// the crash bench's own test machinery.
+#[test]
+fn mount_help_lists_every_environment_variable() {
+    let out = kvfs().args(["mount", "--help"]).output().unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    let mut names = Vec::new();
+    let mut dirs = vec![std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src")];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                for part in text.split("env::var(\"").skip(1) {
+                    let name: String = part.chars().take_while(|&c| c != '"').collect();
+                    if name.starts_with("KVFS_") && name != "KVFS_CRASH_SHADOW" {
+                        names.push(name);
+                    }
+                }
+            }
+        }
+    }
+    assert!(names.len() >= 9, "the sources' variables: {names:?}");
+    for n in &names {
+        assert!(
+            help.contains(n.as_str()),
+            "{n} is missing from kvfs mount --help:\n{help}"
+        );
+    }
+}
+
 #[test]
 fn bad_arguments_are_clear_errors() {
     let out = kvfs()

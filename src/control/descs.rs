@@ -226,8 +226,10 @@ impl<F: Fn(usize) -> u64> Iterator for Pieces<'_, F> {
 /// upwards (the kernel copies each descriptor alike in any order). An
 /// H100 behind a translating IOMMU gathered 4 KiB groups of a 64 MiB span
 /// at 0.91× of one big copy at random, 1.0× upwards
-/// (`tools/gather_probe.cu`); not yet measured through kvfs, so not the
-/// default (a sort of 4096 costs ~47 µs on the CPU machine).
+/// (`tools/gather_probe.cu`); through kvfs on that H100 (2026-12-07) it
+/// did no better (4 KiB restores through the ring 0.84× against 0.89×:
+/// a ticket's groups lie scattered over all of T1), so not the default
+/// (a sort of 4096 costs ~47 µs on the CPU machine).
 fn sort_below() -> u64 {
     static BELOW: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *BELOW.get_or_init(|| match std::env::var("KVFS_GPU_SORT").as_deref() {
