@@ -22,10 +22,10 @@ use super::done::DoneWord;
 use super::session::Session;
 use super::wire::{Command, NO_ENTRY, Reply};
 use super::{Rejection, reject};
-use crate::cascade::CascadeError;
 use crate::cascade::DevicePins;
+use crate::cascade::{Cascade, CascadeError};
 use crate::geometry::GroupIndex;
-use crate::gpu::engine::{Engine, Lane, PartedRestore, PooledEvent, Runs};
+use crate::gpu::engine::{Engine, Lane, PartedRestore, PooledEvent, Restore, Runs};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -114,12 +114,20 @@ impl PartsWhen {
     /// The parts a restore of `n` groups pinned on admission is launched
     /// in, with `busy` other tickets of its lane copying.
     fn parts(self, n: usize, busy: usize) -> usize {
-        let least = match self {
-            PartsWhen::Idle(g) if busy == 0 => g,
-            PartsWhen::Always(g) => g,
-            _ => return 1,
+        let Some(least) = self.least(busy) else {
+            return 1;
         };
         (n / least).clamp(1, RESTORE_PARTS_MAX)
+    }
+
+    /// The least groups of a part where parts are wanted, `busy` other
+    /// tickets of the lane copying; None where they are not.
+    fn least(self, busy: usize) -> Option<usize> {
+        match self {
+            PartsWhen::Idle(g) if busy == 0 => Some(g),
+            PartsWhen::Always(g) => Some(g),
+            _ => None,
+        }
     }
 
     /// Where the parts of a restore of `n` groups pinned by an executor
@@ -127,9 +135,9 @@ impl PartsWhen {
     /// copying: up to three, each half as big again as the one before
     /// (looking a 4 KiB group up and pinning it takes about two thirds of
     /// its copy), none under RESTORE_PART_GROUPS; `[n]`, one part, where
-    /// parts are not wanted (`parts` gives 1 for such a lane).
+    /// parts are not wanted.
     fn later_ends(self, n: usize, busy: usize) -> Vec<usize> {
-        if self.parts(n.max(2 * RESTORE_PART_GROUPS), busy) == 1 {
+        if self.least(busy).is_none() {
             return vec![n];
         }
         // Parts of 4, 6 and 9 nineteenths, or 2 and 3 fifths.
@@ -574,48 +582,17 @@ impl Session {
                 let (mut misses, mut first_us) = (0, 0);
                 let mut at = 0;
                 for (k, &end) in ends.iter().enumerate() {
-                    let part = at..end;
-                    let (hits, p, busy) = cascade.pin_for_device(&groups[part.clone()]);
+                    let (p, lost) = resolve_part(
+                        &cascade,
+                        &groups,
+                        at..end,
+                        &mut copy,
+                        (gb, stride),
+                        &mut src,
+                        &mut results,
+                    );
                     pins.push(p);
-                    for &b in &busy {
-                        results[at + b] = Err(CascadeError::Busy(groups[at + b]));
-                    }
-                    let lost: Vec<usize> = part
-                        .clone()
-                        .filter(|&i| {
-                            hits[i - at].is_none() && busy.binary_search(&(i - at)).is_err()
-                        })
-                        .collect();
-                    for (i, h) in part.clone().zip(&hits) {
-                        src[i] = h.unwrap_or(0);
-                    }
-                    if !lost.is_empty() {
-                        // A miss is read into the staging slot of its place
-                        // in the batch.
-                        let (staging, base) = copy.staging();
-                        let mut want = lost.iter().peekable();
-                        let mut items: Vec<(GroupIndex, &mut [u8])> =
-                            Vec::with_capacity(lost.len());
-                        for (i, b) in staging.chunks_mut(stride).enumerate().take(end).skip(at) {
-                            if want.next_if_eq(&&i).is_some() {
-                                items.push((groups[i], &mut b[..gb as usize]));
-                            }
-                        }
-                        let rs = cascade.read_groups_nowait(&mut items);
-                        drop(items);
-                        for (&i, r) in lost.iter().zip(rs) {
-                            match (r, base) {
-                                (Ok(_), Some(base)) => src[i] = base + (i * stride) as u64,
-                                (Ok(_), None) => {
-                                    results[i] = Err(CascadeError::Internal(
-                                        "staging is not device-mapped".into(),
-                                    ))
-                                }
-                                (Err(e), _) => results[i] = Err(e),
-                            }
-                        }
-                        misses += lost.len();
-                    }
+                    misses += lost;
                     let ok = |i: usize| {
                         if results[at + i].is_ok() {
                             src[at + i]
@@ -760,6 +737,64 @@ impl Session {
         }
         Some(runs)
     }
+}
+
+/// Part `part` of a restore an executor job resolves: its T1 hits pinned
+/// (their device addresses into `src`), its misses read from the backing
+/// into the staging slots of their places in the batch, a busy slot or a
+/// failed read an error in `results`. Returns the part's pins and how
+/// many misses it read.
+fn resolve_part(
+    cascade: &Arc<Cascade>,
+    groups: &[GroupIndex],
+    part: std::ops::Range<usize>,
+    copy: &mut Restore,
+    (gb, stride): (u64, usize),
+    src: &mut [u64],
+    results: &mut [Result<(), CascadeError>],
+) -> (DevicePins, usize) {
+    let at = part.start;
+    let (hits, pins, busy) = cascade.pin_for_device(&groups[part.clone()]);
+    for &b in &busy {
+        results[at + b] = Err(CascadeError::Busy(groups[at + b]));
+    }
+    let lost: Vec<usize> = part
+        .clone()
+        .filter(|&i| hits[i - at].is_none() && busy.binary_search(&(i - at)).is_err())
+        .collect();
+    for (i, h) in part.clone().zip(&hits) {
+        src[i] = h.unwrap_or(0);
+    }
+    if lost.is_empty() {
+        return (pins, 0);
+    }
+    let (staging, base) = copy.staging();
+    let mut want = lost.iter().peekable();
+    let mut items: Vec<(GroupIndex, &mut [u8])> = Vec::with_capacity(lost.len());
+    for (i, b) in staging
+        .chunks_mut(stride)
+        .enumerate()
+        .take(part.end)
+        .skip(at)
+    {
+        if want.next_if_eq(&&i).is_some() {
+            items.push((groups[i], &mut b[..gb as usize]));
+        }
+    }
+    let rs = cascade.read_groups_nowait(&mut items);
+    drop(items);
+    for (&i, r) in lost.iter().zip(rs) {
+        match (r, base) {
+            (Ok(_), Some(base)) => src[i] = base + (i * stride) as u64,
+            (Ok(_), None) => {
+                results[i] = Err(CascadeError::Internal(
+                    "staging is not device-mapped".into(),
+                ))
+            }
+            (Err(e), _) => results[i] = Err(e),
+        }
+    }
+    (pins, lost.len())
 }
 
 #[cfg(test)]
