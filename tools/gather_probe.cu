@@ -8,19 +8,43 @@
 // On a GPU machine (CUDA toolkit; no cargo needed):
 //   nvcc -O3 -arch=sm_90 -o /tmp/gather_probe tools/gather_probe.cu && /tmp/gather_probe [CHUNKS]
 // CHUNKS: 256 MiB chunks of host buffer (default 48: 12 GiB).
+// PROBE_ALLOC: how the buffer is allocated: `driver` (the default, as
+// above), `thp` (mmap aligned to 2 MiB, MADV_HUGEPAGE, then
+// cudaHostRegister: what KVFS_T1_PAGES=huge does) or `hugetlb`
+// (MAP_HUGETLB 2 MiB pages, registered the same way; needs
+// /proc/sys/vm/nr_hugepages). The run prints how much of the buffer the
+// kernel gave huge pages (AnonHugePages / HugePages_Free).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 #include <algorithm>
 #include <random>
+#include <string>
+#include <fstream>
+#include <sys/mman.h>
 #include <cuda_runtime.h>
 #include "../src/gpu/kernels/gather.cu"
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
 int main(int argc, char** argv) {
   size_t chunk = 256ull << 20; int nchunks = argc > 1 ? atoi(argv[1]) : 48;  // 12 GiB
   std::vector<char*> ch(nchunks);
-  for (int i = 0; i < nchunks; i++) CK(cudaHostAlloc((void**)&ch[i], chunk, cudaHostAllocMapped | cudaHostAllocPortable));
+  const char* how = getenv("PROBE_ALLOC") ? getenv("PROBE_ALLOC") : "driver";
+  for (int i = 0; i < nchunks; i++) {
+    if (!strcmp(how, "driver")) { CK(cudaHostAlloc((void**)&ch[i], chunk, cudaHostAllocMapped | cudaHostAllocPortable)); continue; }
+    bool tlb = !strcmp(how, "hugetlb");
+    size_t huge = 2ull << 20, whole = tlb ? chunk : chunk + huge;
+    void* m = mmap(nullptr, whole, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | (tlb ? MAP_HUGETLB : 0), -1, 0);
+    if (m == MAP_FAILED) { perror("mmap"); exit(1); }
+    char* p = (char*)m + (tlb ? 0 : (huge - (size_t)m % huge) % huge);
+    if (!tlb) madvise(p, chunk, MADV_HUGEPAGE);
+    memset(p, 0, chunk);
+    CK(cudaHostRegister(p, chunk, cudaHostRegisterMapped | cudaHostRegisterPortable));
+    ch[i] = p;
+  }
+  { std::ifstream f("/proc/self/smaps_rollup"); std::string l; while (std::getline(f, l)) if (l.find("AnonHuge") == 0) printf("alloc %s: %s\n", how, l.c_str()); }
+  { std::ifstream f("/proc/meminfo"); std::string l; while (std::getline(f, l)) if (l.find("HugePages_") == 0) printf("alloc %s: %s\n", how, l.c_str()); }
+  { std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled"); std::string l; std::getline(f, l); printf("thp: %s\n", l.c_str()); }
   for (int i = 0; i < nchunks; i++) memset(ch[i], i, chunk);
   size_t tick = 16ull << 20; char* dst; CK(cudaMalloc(&dst, 4 * tick));
   char* big; CK(cudaMalloc(&big, 256ull << 20));

@@ -30,6 +30,8 @@ for v in "$@"; do
 done
 # One GPU run at a time (see tools/gpu_device_run.sh): figures taken beside
 # another run's copies would be the two runs' share of the bus.
+# Daemons are started without the lock's fd (9>&-): one left running by
+# a run cut short would otherwise hold the lock, and the next run waits.
 exec 9>/tmp/kvfs-gpu-run.lock
 flock -w 600 9 || { echo "gpu_ab: another GPU run holds /tmp/kvfs-gpu-run.lock" >&2; exit 1; }
 export PYTHONUNBUFFERED=1 RUST_LOG=info${LOG:+,kvfs::control=$LOG,kvfs::gpu=$LOG}
@@ -45,7 +47,7 @@ for rep in $(seq 1 "$reps"); do
         4) geo=(--t1 12GiB --preset llama-3.1-8b); batch=4096 ;;
         *) echo "gpu_ab: size $sz: 16 or 4" >&2; exit 2 ;;
       esac
-      env "${env_args[@]}" "$bin" mount $mnt --backing $back "${geo[@]}" >/dev/null || exit 1
+      env "${env_args[@]}" "$bin" mount $mnt 9>&- --backing $back "${geo[@]}" >/dev/null || exit 1
       echo "== run $rep, $name, $sz KiB groups ${envs:+($envs)}"
       timeout -k 5 170 python3 tools/gpu_e2e.py $mnt --batch $batch --inflight 4 --rounds 128 --ring 2>&1 \
         | grep -vE "^(registered|stored|restore)|CudaIPCTypes" | tail -19

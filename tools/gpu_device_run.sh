@@ -11,6 +11,8 @@
 set -u
 # One run at a time on a machine: a device call cut short leaves its run
 # going, and a second one would unmount the first's mounts under it.
+# Daemons are started without the lock's fd (9>&-): one left running by
+# a run cut short would otherwise hold the lock, and the next run waits.
 exec 9>/tmp/kvfs-gpu-run.lock
 flock -w 600 9 || { echo "gpu_device_run: another GPU run holds /tmp/kvfs-gpu-run.lock" >&2; exit 1; }
 B=$PWD/.devbin/kvfs-bin
@@ -33,9 +35,9 @@ export RUST_LOG=info${LOG:+,kvfs::control=$LOG,kvfs::gpu=$LOG}
 # draining (2 GiB gave 6 batches a run, 4 GiB 12: a ticket's claims, copy
 # and commit before the next 4 overlap are a batch or two of a short run).
 mkdir -p /mnt/k16 /mnt/k4 /mnt/kg
-$B mount /mnt/k16 --backing /tmp/b16 --t1 6GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
-$B mount /mnt/k4 --backing /tmp/b4 --t1 12GiB --preset llama-3.1-8b || exit 1
-$B mount /mnt/kg --backing /tmp/bg --t1 8KiB --layers 1 --blocks 4 --kv-heads 1 --head-dim 128 --block-tokens 16 --dtype bf16 || exit 1
+$B 9>&- mount /mnt/k16 --backing /tmp/b16 --t1 6GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
+$B 9>&- mount /mnt/k4 --backing /tmp/b4 --t1 12GiB --preset llama-3.1-8b || exit 1
+$B 9>&- mount /mnt/kg --backing /tmp/bg --t1 8KiB --layers 1 --blocks 4 --kv-heads 1 --head-dim 128 --block-tokens 16 --dtype bf16 || exit 1
 set -o pipefail
 fail=0
 # The correctness checks first, the bandwidth runs (minutes) after: a run
@@ -45,12 +47,12 @@ echo "== guard"; timeout -k 5 60 python3 tools/gpu_e2e.py /mnt/kg --guard 2>&1 |
 # (copy engines) and the same forced onto the kernel, each waited on by a
 # stream through a done word, then through the IPC event, and compared.
 for m in engines kernel; do
-  rm -rf /tmp/bdw; mkdir -p /mnt/kdw; KVFS_GPU_COPY=$m $B mount /mnt/kdw --backing /tmp/bdw --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 >/dev/null || exit 1
+  rm -rf /tmp/bdw; mkdir -p /mnt/kdw; KVFS_GPU_COPY=$m $B 9>&- mount /mnt/kdw --backing /tmp/bdw --t1 1GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 >/dev/null || exit 1
   echo "== done words, KVFS_GPU_COPY=$m"; timeout -k 5 120 python3 tools/gpu_e2e.py /mnt/kdw --done-word-stress 100 2>&1 | tail -3 || fail=1
   timeout -k 2 20 $B umount /mnt/kdw; rm -rf /tmp/bdw
 done
 mkdir -p /mnt/khf; rm -rf /tmp/bhf
-$B mount /mnt/khf --backing /tmp/bhf --t1 64MiB --layers 4 --blocks 1024 --kv-heads 2 --head-dim 64 --block-tokens 16 --dtype bf16 || exit 1
+$B 9>&- mount /mnt/khf --backing /tmp/bhf --t1 64MiB --layers 4 --blocks 1024 --kv-heads 2 --head-dim 64 --block-tokens 16 --dtype bf16 || exit 1
 echo "== KvfsCache bytes (prefix saved, loaded by a new cache, layers evicted and restored)"; KVFS_HF_MOUNT=/mnt/khf PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_hf.py 2>&1 | tail -6 || fail=1
 echo "== the same, the compute stream waiting on done words (KVFS_HF_DONE_WORDS=1)"; KVFS_HF_DONE_WORDS=1 KVFS_HF_MOUNT=/mnt/khf PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_hf.py 2>&1 | tail -6 || fail=1
 timeout -k 2 20 $B umount /mnt/khf
@@ -61,11 +63,11 @@ echo "== e2e 4 KiB"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/k4 --batch 4
 # Each on a mount of its own: the run before leaves T1 full of dirty groups
 # (its misses), so new groups there would wait on evictions to the disk.
 for p in 512 2048; do
-  rm -rf /tmp/bs; mkdir -p /mnt/ks; $B mount /mnt/ks --backing /tmp/bs --t1 2GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
+  rm -rf /tmp/bs; mkdir -p /mnt/ks; $B 9>&- mount /mnt/ks --backing /tmp/bs --t1 2GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
   echo "== e2e 16 KiB strided (64 rows of 256 B, pitch $p), rows kernel"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/ks --batch 1024 --inflight 4 --rounds 128 --row 256 --pitch $p $([ $p = 512 ] && echo "--ring --target 0.85") 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1
   timeout -k 2 20 $B umount /mnt/ks; rm -rf /tmp/bs
 done
-mkdir -p /mnt/kr; KVFS_GPU_ROWS=pieces $B mount /mnt/kr --backing /tmp/br --t1 2GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
+mkdir -p /mnt/kr; KVFS_GPU_ROWS=pieces $B 9>&- mount /mnt/kr --backing /tmp/br --t1 2GiB --layers 8 --blocks 8192 --kv-heads 8 --head-dim 128 --block-tokens 64 --dtype bf16 || exit 1
 echo "== e2e 16 KiB strided (64 rows of 256 B, pitch 512), in pieces"; timeout -k 5 150 python3 tools/gpu_e2e.py /mnt/kr --batch 1024 --inflight 4 --rounds 128 --row 256 2>&1 | grep -vE "^(registered|stored|restore)" | tail -14 || fail=1
 timeout -k 2 20 $B umount /mnt/kr; rm -rf /tmp/br
 echo "== engine layouts in GPU memory"; KVFS_MOUNT=/mnt/k16 PYTHONPATH=tools/python timeout -k 5 120 python3 -m unittest -v tools/python/tests/test_layouts.py 2>&1 | tail -8 || fail=1
@@ -94,7 +96,7 @@ if [ "${HF:-0}" = 1 ]; then
   export PYTHONPATH=$PWD/tools/python
   for bt in ${HF_BLOCKS:-64 16}; do
     mkdir -p /mnt/hf$bt; rm -rf /tmp/hf$bt
-    $B mount /mnt/hf$bt --backing /tmp/hf$bt --t1 6GiB --layers 32 --kv-heads 8 --head-dim 128 \
+    $B 9>&- mount /mnt/hf$bt --backing /tmp/hf$bt --t1 6GiB --layers 32 --kv-heads 8 --head-dim 128 \
       --block-tokens $bt --dtype bf16 --blocks 8192 || { fail=1; continue; }
     echo "== kvfs.hf demo, --block-tokens $bt"
     timeout -k 5 400 python3 -m kvfs.hf demo --mount /mnt/hf$bt --shape 8b 2>&1 | grep -v "^\[W" || fail=1

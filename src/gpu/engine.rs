@@ -103,6 +103,20 @@ struct ReadyFlag {
 // SAFETY: the flag lives in the ticket's table, which its owner keeps.
 unsafe impl Send for ReadyFlag {}
 
+/// The flag's value that lets every part through. A stream's wait for
+/// value v (`cuStreamWaitValue32`, GEQ) passes once `(flag - v) as i32`
+/// is not negative, a cyclic comparison: u32::MAX would read as -2
+/// against a wait for 1 and hold the copy forever (it did, in the first
+/// GPU run of 1304e29), so the largest value positive as an i32.
+const ALL_PARTS: u32 = i32::MAX as u32;
+
+/// Whether a stream waiting for `value` goes on with the flag at `flag`
+/// (the driver's GEQ comparison, as documented for `cuStreamWaitValue32`).
+#[cfg(test)]
+fn passes(flag: u32, value: u32) -> bool {
+    flag.wrapping_sub(value) as i32 >= 0
+}
+
 impl ReadyFlag {
     /// A flag a stream is about to wait on.
     fn armed(flag: *mut u32) -> ReadyFlag {
@@ -120,7 +134,7 @@ impl ReadyFlag {
 
     /// Lets every part of the copy run (their waits are for 1, 2, …).
     fn set(&mut self) {
-        self.let_through(u32::MAX);
+        self.let_through(ALL_PARTS);
         if std::mem::take(&mut self.window) {
             super::cuda::close_window();
         }
@@ -927,5 +941,25 @@ impl Drop for Store {
         if let (Some(t), Some(s)) = (self.table.take(), self.staging.take()) {
             self.pool.give(t, self.stream.take(), Some(s));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ALL_PARTS, passes};
+
+    #[test]
+    fn the_flag_set_lets_every_part_through() {
+        // Parts wait for 1, 2, 3, …: let_through(k) passes the first k,
+        // set passes all (and a cleared table's 0 passes none).
+        for v in 1..=64 {
+            assert!(passes(ALL_PARTS, v), "set holds part {v}");
+            assert!(!passes(0, v));
+            for k in 1..=64 {
+                assert_eq!(passes(k, v), k >= v);
+            }
+        }
+        // The cyclic comparison: the value set wrote before held them all.
+        assert!(!passes(u32::MAX, 1));
     }
 }
