@@ -157,6 +157,26 @@ fn xattrs_and_stats_and_resident() {
         );
     }
     assert!(s.contains(&format!("kvfs_dirty_bytes {}", 2 * GB)), "{s}");
+    // T1's memory arrives in the background; the gauge reaches the total.
+    let gauge = |s: &str, k: &str| -> u64 {
+        let line = s.lines().find(|l| l.starts_with(&format!("{k} ")));
+        line.and_then(|l| l.rsplit_once(' ')?.1.parse().ok())
+            .unwrap_or_else(|| panic!("{k} missing:\n{s}"))
+    };
+    let total = gauge(&s, "kvfs_t1_slots_total");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let ready = gauge(&m.stats(), "kvfs_t1_slots_ready");
+        assert!(
+            ready > 0 && ready <= total,
+            "{ready} of {total} slots ready"
+        );
+        if ready == total {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "T1 never all ready");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     let layout: serde_json::Value =
         serde_json::from_str(&fs::read_to_string(m.p(".kvfs/layout")).unwrap()).unwrap();
     assert_eq!(layout["group_bytes"], GB as u64);

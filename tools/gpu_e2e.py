@@ -676,6 +676,34 @@ def guard(kv, gb, dev):
     print("eviction guard: T1 of 2 slots, 4 groups, 50 rounds of async restore then evicting writes: every group intact")
 
 
+def t1_ready(mount, timeout=300):
+    """Waits until all of T1's memory has arrived (`kvfs_t1_slots_ready`
+    reaching `kvfs_t1_slots_total` in .kvfs/stats): the daemon pins T1 in
+    the background after its first chunk, and each chunk's pinning waits
+    for the GPU copies in flight and holds up new ones meanwhile, so
+    figures taken before it ends are not the steady state's."""
+    def gauges():
+        got = {}
+        with open(os.path.join(mount, ".kvfs/stats")) as f:
+            for line in f:
+                name, _, value = line.rpartition(" ")
+                if name in ("kvfs_t1_slots_ready", "kvfs_t1_slots_total"):
+                    got[name] = int(float(value))
+        return got.get("kvfs_t1_slots_ready"), got.get("kvfs_t1_slots_total")
+    t0 = time.time()
+    ready, total = gauges()
+    if ready is None:
+        print("T1: this daemon does not report kvfs_t1_slots_ready; not waiting for its pinning")
+        return
+    while ready < total:
+        if time.time() - t0 > timeout:
+            raise SystemExit(f"T1: {ready} of {total} slots ready after {timeout} s")
+        time.sleep(0.05)
+        ready, total = gauges()
+    if time.time() - t0 > 0.1:
+        print(f"T1: waited {time.time() - t0:.1f} s for the daemon to finish pinning all {total} slots")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mount")
@@ -716,6 +744,7 @@ def main():
             correctness_strided(kv, gb, dev, place)
         else:
             correctness(kv, gb, dev)
+        t1_ready(a.mount)
         ratio = bandwidth(kv, gb, dev, a.batch, a.inflight, a.rounds, a.reps, a.trace, place, a.ring)
         if ratio < a.target:
             print(f"BELOW TARGET: {ratio:.2f} < {a.target}")

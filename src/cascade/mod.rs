@@ -226,6 +226,9 @@ pub struct CascadeStats {
     pub backing_write_bytes: u64,
     pub t1_slots_used: u64,
     pub t1_slots_total: u64,
+    /// Slots whose memory has arrived: T1 is allocated (pinned, with a
+    /// GPU) in the background after the first chunk (`t1_ready_slots`).
+    pub t1_slots_ready: u64,
     pub dirty_slots: u64,
     pub dirty_bytes: u64,
 }
@@ -581,7 +584,11 @@ impl Cascade {
 
     pub fn stats(&self) -> CascadeStats {
         let c = &self.counters;
-        let used = self.state.lock().map.len() as u64;
+        let used = {
+            let mut st = self.state.lock();
+            self.adopt_chunks(&mut st);
+            st.map.len() as u64
+        };
         let dirty = c.dirty_slots.load(Ordering::Relaxed);
         CascadeStats {
             hits: c.hits.load(Ordering::Relaxed),
@@ -599,6 +606,7 @@ impl Cascade {
             backing_write_bytes: c.backing_write_bytes.load(Ordering::Relaxed),
             t1_slots_used: used,
             t1_slots_total: self.n_slots as u64,
+            t1_slots_ready: self.arena.ready_slots.load(Ordering::Relaxed),
             dirty_slots: dirty,
             dirty_bytes: dirty * self.layout.group_bytes(),
         }

@@ -177,8 +177,10 @@ fn parts_when() -> PartsWhen {
 /// Whether a restore the executor pins on the fd's lane may go in parts
 /// (`KVFS_RESTORE_LATER_PARTS`: `auto`, `on` or 1 as
 /// `KVFS_RESTORE_PART_GROUPS` says, see `PartsWhen::later_ends`; unset,
-/// `off` or 0: never). Off by default until it has run on a GPU: built
-/// after the last device call of 2026-12-07, it has not.
+/// `off` or 0: never). Off by default: on an H100 (2026-12-07, ninth
+/// session) every GPU check passed with it on, but one 4 KiB ticket at a
+/// time was no faster than without, and whether its parts were used was
+/// not logged.
 fn later_parts() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
@@ -645,11 +647,14 @@ impl Session {
                         }
                     }
                     drop(pins);
+                    // The lane is idle once the copy is done: counted so
+                    // before the client hears of it, so its next ticket
+                    // (one at a time) finds the lane idle and goes in parts.
+                    drop(entered);
                     all.extend(results);
                     s.complete(Command::Restore, ticket, started, all);
                     // Written by the copy's stream, before the event.
                     drop(done);
-                    drop(entered);
                 }));
             }),
         );

@@ -110,6 +110,12 @@ impl KvFs {
             s.t1_slots_total,
         );
         e.single(
+            stats::T1_SLOTS_READY,
+            "gauge",
+            "T1 slots whose memory is allocated (pinned, with a GPU): T1 is allocated in the background after its first chunk; equal to kvfs_t1_slots_total once that is done.",
+            s.t1_slots_ready,
+        );
+        e.single(
             stats::DIRTY_GROUPS,
             "gauge",
             "Groups in T1 not yet written back.",

@@ -21,6 +21,7 @@ pub const RECOVERED_READS: &str = "kvfs_recovered_reads_total";
 pub const WRITE_BACK_FAILURES: &str = "kvfs_write_back_failures_total";
 pub const T1_SLOTS_USED: &str = "kvfs_t1_slots_used";
 pub const T1_SLOTS_TOTAL: &str = "kvfs_t1_slots_total";
+pub const T1_SLOTS_READY: &str = "kvfs_t1_slots_ready";
 pub const DIRTY_BYTES: &str = "kvfs_dirty_bytes";
 pub const DIRTY_GROUPS: &str = "kvfs_dirty_groups";
 pub const OP_LATENCY: &str = "kvfs_op_latency_seconds";
