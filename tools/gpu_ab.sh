@@ -48,6 +48,14 @@ for rep in $(seq 1 "$reps"); do
         *) echo "gpu_ab: size $sz: 16 or 4" >&2; exit 2 ;;
       esac
       env "${env_args[@]}" "$bin" mount $mnt 9>&- --backing $back "${geo[@]}" >/dev/null || exit 1
+      # T1 is pinned in the background after the mount returns, holding
+      # GPU copies up meanwhile: every variant is timed once it is done
+      # (the daemon logs it; older builds lack the stats gauge).
+      for _ in $(seq 600); do
+        awk '$1 == "kvfs_t1_slots_ready" { r = $2 } $1 == "kvfs_t1_slots_total" { t = $2 } END { exit !(r != "" && r == t) }' $mnt/.kvfs/stats && break
+        grep -qE "chunks (pinned|allocated) in" $back/kvfs.log 2>/dev/null && break
+        sleep 0.1
+      done
       echo "== run $rep, $name, $sz KiB groups ${envs:+($envs)}"
       timeout -k 5 170 python3 tools/gpu_e2e.py $mnt --batch $batch --inflight 4 --rounds 128 --ring 2>&1 \
         | grep -vE "^(registered|stored|restore)|CudaIPCTypes" | tail -19
