@@ -719,8 +719,11 @@ pub fn stat(mp: &Path) -> Result<()> {
         "  groups     {} of {} bytes",
         layout.groups, layout.group_bytes
     );
+    // T1 arrives in the background after its first chunk (pinned, with
+    // a GPU): said while it still does.
+    let ready = kvfs::stats::find_sample(&s, kvfs::stats::T1_SLOTS_READY).unwrap_or(total);
     println!(
-        "  T1         {} ({} slots), {} used ({:.1}%)",
+        "  T1         {} ({} slots), {} used ({:.1}%){}",
         human(layout.t1_bytes as f64),
         total,
         used,
@@ -728,6 +731,11 @@ pub fn stat(mp: &Path) -> Result<()> {
             100.0 * used / total
         } else {
             0.0
+        },
+        if ready < total {
+            format!(", still allocating: {ready} slots ready")
+        } else {
+            String::new()
         }
     );
     println!("  dirty      {}", human(get(kvfs::stats::DIRTY_BYTES)));
