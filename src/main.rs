@@ -39,6 +39,7 @@ Environment (read by the daemon when it starts; each default is the measured cho
   KVFS_RESTORE_LATER_PARTS=auto|off     big GPU restores on an idle lane in up to three parts; default off (no faster where measured yet)
   KVFS_STORE_PART_GROUPS=N|off          GPU store chunks launched in parts of N groups (default 1024)
   KVFS_T1_PAGES=huge                    T1 on transparent huge pages registered with the CUDA driver
+  KVFS_T1_CHUNK=SIZE                    T1 allocated (pinned, with a GPU) in chunks of this size, the first before the mount is ready (default 256MiB)
   KVFS_T1_NUMA=off                      T1 not placed on the GPU's NUMA node";
 
 #[derive(Subcommand)]

@@ -607,3 +607,55 @@ fn mounting_over_a_dead_mount_cleans_it_up() {
     // The fsync'd group survived the kill.
     assert_eq!(fs::read(&g).unwrap(), pattern(11, GB));
 }
+
+#[test]
+fn t1_chunk_from_the_environment() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::unmounted();
+    let mount = |chunk: &str| {
+        kvfs()
+            .arg("mount")
+            .arg(&m.mp)
+            .arg("--backing")
+            .arg(&m.backing)
+            .args(["--t1", "8MiB"])
+            .args(geometry(2, 8))
+            .env("KVFS_T1_CHUNK", chunk)
+            .output()
+            .unwrap()
+    };
+    let out = mount("4k");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("KVFS_T1_CHUNK=4k: give at least 1MiB"),
+        "{err}"
+    );
+    // Eight chunks of 1 MiB: all of T1 arrives, the gauge says so.
+    let out = mount("1MiB");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = m.stats();
+        let get = |k: &str| -> u64 {
+            let l = s.lines().find(|l| l.starts_with(&format!("{k} "))).unwrap();
+            l.rsplit_once(' ').unwrap().1.parse().unwrap()
+        };
+        let (ready, total) = (get("kvfs_t1_slots_ready"), get("kvfs_t1_slots_total"));
+        assert!(total > 0 && ready <= total, "{ready} of {total}");
+        if ready == total {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "T1 never all ready: {ready} of {total}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    m.umount();
+}

@@ -357,11 +357,29 @@ fn run_daemon(args: MountArgs, mut ready: Option<File>) -> Result<()> {
     r
 }
 
+/// T1's allocation chunk (`KVFS_T1_CHUNK`, a size; default 256 MiB): the
+/// first is allocated before the mount is ready, the rest in the
+/// background. With a GPU each chunk is pinned, and while one is, GPU
+/// restores an executor job resolves wait to be enqueued (`cuda::quietly`):
+/// smaller chunks make each such wait shorter, and there are more of them.
+fn t1_chunk() -> Result<u64> {
+    let Ok(v) = std::env::var("KVFS_T1_CHUNK") else {
+        return Ok(kvfs::cascade::DEFAULT_T1_CHUNK);
+    };
+    let b =
+        kvfs::geometry::parse_size(&v).map_err(|e| anyhow::anyhow!("KVFS_T1_CHUNK={v}: {e}"))?;
+    if b < 1 << 20 {
+        anyhow::bail!("KVFS_T1_CHUNK={v}: give at least 1MiB (e.g. 64MiB; the default is 256MiB)");
+    }
+    Ok(b)
+}
+
 fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
     check_mountpoint(&args.mountpoint)?;
     // Before any thread starts, so every thread inherits the mask.
     let sigs = block_signals();
     let t1_bytes = kvfs::geometry::parse_size(&args.t1).map_err(anyhow::Error::msg)?;
+    let t1_chunk_bytes = t1_chunk()?;
     let backing = args.backing.clone().unwrap_or_else(default_backing);
     let requested = args.requested_layout()?;
     let fresh = !backing.join("superblock").exists();
@@ -387,6 +405,7 @@ fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
             t1_bytes,
             policy: args.policy,
             promote_on_miss: args.promote_on_miss,
+            t1_chunk_bytes,
             ..CascadeConfig::default()
         },
     )?);
