@@ -676,32 +676,22 @@ def guard(kv, gb, dev):
     print("eviction guard: T1 of 2 slots, 4 groups, 50 rounds of async restore then evicting writes: every group intact")
 
 
-def t1_ready(mount, timeout=300):
-    """Waits until all of T1's memory has arrived (`kvfs_t1_slots_ready`
-    reaching `kvfs_t1_slots_total` in .kvfs/stats): the daemon pins T1 in
-    the background after its first chunk, and each chunk's pinning waits
-    for the GPU copies in flight and holds up new ones meanwhile, so
-    figures taken before it ends are not the steady state's."""
-    def gauges():
-        got = {}
-        with open(os.path.join(mount, ".kvfs/stats")) as f:
-            for line in f:
-                name, _, value = line.rpartition(" ")
-                if name in ("kvfs_t1_slots_ready", "kvfs_t1_slots_total"):
-                    got[name] = int(float(value))
-        return got.get("kvfs_t1_slots_ready"), got.get("kvfs_t1_slots_total")
-    t0 = time.time()
-    ready, total = gauges()
-    if ready is None:
-        print("T1: this daemon does not report kvfs_t1_slots_ready; not waiting for its pinning")
+def t1_ready(kv, timeout=300):
+    """Waits until all of T1's memory has arrived (`Kvfs.wait_t1_ready`):
+    the daemon pins T1 in the background after its first chunk, and each
+    chunk's pinning waits for the GPU copies in flight and holds up new
+    ones meanwhile, so figures taken before it ends are not the steady
+    state's."""
+    try:
+        waited = kv.wait_t1_ready(timeout)
+    except RuntimeError as e:
+        print(f"T1: {e}; not waiting for its pinning")
         return
-    while ready < total:
-        if time.time() - t0 > timeout:
-            raise SystemExit(f"T1: {ready} of {total} slots ready after {timeout} s")
-        time.sleep(0.05)
-        ready, total = gauges()
-    if time.time() - t0 > 0.1:
-        print(f"T1: waited {time.time() - t0:.1f} s for the daemon to finish pinning all {total} slots")
+    except TimeoutError as e:
+        raise SystemExit(f"T1: {e}")
+    if waited > 0.1:
+        total = int(kv.stats()["kvfs_t1_slots_total"])
+        print(f"T1: waited {waited:.1f} s for the daemon to finish pinning all {total} slots")
 
 
 def main():
@@ -747,7 +737,7 @@ def main():
         else:
             correctness(kv, gb, dev)
         if not a.no_t1_wait:
-            t1_ready(a.mount)
+            t1_ready(kv)
         ratio = bandwidth(kv, gb, dev, a.batch, a.inflight, a.rounds, a.reps, a.trace, place, a.ring)
         if ratio < a.target:
             print(f"BELOW TARGET: {ratio:.2f} < {a.target}")

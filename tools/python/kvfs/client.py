@@ -26,6 +26,7 @@ import os
 import tempfile
 import struct
 import threading
+import time
 
 REQUEST_MAGIC = struct.unpack("<I", b"KVFQ")[0]
 REPLY_MAGIC = struct.unpack("<I", b"KVFR")[0]
@@ -157,6 +158,39 @@ class Kvfs:
         if self._scratch is not None:
             self._scratch[1].close()
             self._scratch = None
+
+    # --- the daemon's gauges ----------------------------------------------
+
+    def stats(self):
+        """The samples of MOUNT/.kvfs/stats (Prometheus text) as a dict:
+        {"kvfs_t1_slots_total": 65536.0, 'kvfs_hits_total{tier="t1"}': ...}."""
+        out = {}
+        with open(os.path.join(self.mountpoint, ".kvfs", "stats")) as f:
+            for line in f:
+                if line.startswith("#") or not line.strip():
+                    continue
+                name, _, value = line.rstrip("\n").rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def wait_t1_ready(self, timeout=None, poll=0.05):
+        """Waits until all of T1's memory has arrived: the daemon allocates
+        T1 (pinned, with a GPU) in the background after its first chunk,
+        and GPU restores submitted meanwhile may wait milliseconds to be
+        enqueued while a chunk is pinned. Returns the seconds waited; raises
+        TimeoutError after `timeout` seconds (None: no limit) and
+        RuntimeError with a daemon that does not report it."""
+        t0 = time.monotonic()
+        while True:
+            s = self.stats()
+            ready, total = s.get("kvfs_t1_slots_ready"), s.get("kvfs_t1_slots_total")
+            if ready is None or total is None:
+                raise RuntimeError("this kvfs daemon does not report kvfs_t1_slots_ready")
+            if ready >= total:
+                return time.monotonic() - t0
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"T1: {ready:.0f} of {total:.0f} slots ready after {timeout} s")
+            time.sleep(poll)
 
     # --- transport -------------------------------------------------------
 
@@ -586,8 +620,6 @@ class Ring:
         on a machine of 4 cores or more, else none: a 16 MiB ticket takes
         about half a millisecond on a GPU, and a futex wake-up tens of
         microseconds), then sleeps until the daemon wakes it."""
-        import time
-
         if spin is None:
             spin = 1e-3 if (os.cpu_count() or 1) >= 4 else 0.0
 

@@ -73,6 +73,15 @@ class ClientTest(unittest.TestCase):
         # Runs first (alphabetical order): nothing has written L1/B7/H1/V yet.
         self.assertEqual(self.kv.query([(1, 7, 1, "V")]), [("empty", False)])
 
+    def test_stats_and_t1_ready(self):
+        s = self.kv.stats()
+        self.assertGreater(s["kvfs_t1_slots_total"], 0)
+        self.assertIn('kvfs_hits_total{tier="t1"}', s)
+        waited = self.kv.wait_t1_ready(timeout=60)
+        self.assertGreaterEqual(waited, 0)
+        s = self.kv.stats()
+        self.assertEqual(s["kvfs_t1_slots_ready"], s["kvfs_t1_slots_total"])
+
     def test_layout(self):
         with open(os.path.join(MOUNT, ".kvfs", "layout")) as f:
             self.assertEqual(json.load(f)["groups"], self.kv.layout["groups"])
