@@ -628,8 +628,17 @@ impl Session {
                 copy.start();
                 gpu.then(Box::new(move || {
                     // This copy waited for the parts launched before it.
+                    let waiting = Instant::now();
                     let r = copy.finish();
-                    tracing::debug!(ticket, ok = r.is_ok(), "GPU restore: copy done");
+                    // Where the end of a ticket's time goes: the wait for
+                    // its copy here, from its enqueue to now.
+                    tracing::debug!(
+                        ticket,
+                        ok = r.is_ok(),
+                        finish_us = waiting.elapsed().as_micros() as u64,
+                        since_enqueue_us = started.elapsed().as_micros() as u64,
+                        "GPU restore: copy done"
+                    );
                     let mut all: Vec<Result<(), CascadeError>> =
                         (0..skip).map(|_| Ok(())).collect();
                     if let Some(h) = held {
