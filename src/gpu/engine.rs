@@ -566,7 +566,7 @@ impl Engine {
     /// `restore` of copies known now (pinned T1 slots): `descs` (n of
     /// them) are written first and the copy enqueued with no flag to wait
     /// on, so nothing but the kernel stands between it and the copy
-    /// before. Not to be `describe`d again (the kernel may be reading the
+    /// before. Not to be `describe_at`d again (the kernel may be reading the
     /// table); `start` is not needed.
     pub fn restore_now(
         &self,
@@ -815,13 +815,6 @@ impl Restore {
         }
     }
 
-    /// Writes the `n` descriptors, in order (a shorter `descs` leaves the
-    /// rest skipped).
-    pub fn describe(&mut self, descs: impl Iterator<Item = Descriptor>) {
-        let table = self.table.as_mut().expect("until finished");
-        write_descriptors(table, self.n, descs);
-    }
-
     /// Writes descriptors `at..at + n` (those of `descs`, any left over
     /// zero: skipped), the places of parts about to be let through.
     pub fn describe_at(&mut self, at: usize, n: usize, descs: impl Iterator<Item = Descriptor>) {
@@ -837,7 +830,7 @@ impl Restore {
         self.ready.let_through(parts as u32);
     }
 
-    /// Lets the copy run once its descriptors are written (`describe`);
+    /// Lets the copy run once its descriptors are written (`describe_at`);
     /// `finish` then waits for it.
     pub fn start(&mut self) {
         self.ready.set();
