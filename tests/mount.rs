@@ -159,9 +159,7 @@ fn xattrs_and_stats_and_resident() {
     assert!(s.contains(&format!("kvfs_dirty_bytes {}", 2 * GB)), "{s}");
     // T1's memory arrives in the background; the gauge reaches the total.
     let gauge = |s: &str, k: &str| -> u64 {
-        let line = s.lines().find(|l| l.starts_with(&format!("{k} ")));
-        line.and_then(|l| l.rsplit_once(' ')?.1.parse().ok())
-            .unwrap_or_else(|| panic!("{k} missing:\n{s}"))
+        kvfs::stats::find_sample(s, k).unwrap_or_else(|| panic!("{k} missing:\n{s}")) as u64
     };
     let total = gauge(&s, "kvfs_t1_slots_total");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -642,9 +640,8 @@ fn t1_chunk_from_the_environment() {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let s = m.stats();
-        let get = |k: &str| -> u64 {
-            let l = s.lines().find(|l| l.starts_with(&format!("{k} "))).unwrap();
-            l.rsplit_once(' ').unwrap().1.parse().unwrap()
+        let get = |k: &str| {
+            kvfs::stats::find_sample(&s, k).unwrap_or_else(|| panic!("{k} missing:\n{s}")) as u64
         };
         let (ready, total) = (get("kvfs_t1_slots_ready"), get("kvfs_t1_slots_total"));
         assert!(total > 0 && ready <= total, "{ready} of {total}");
