@@ -2,6 +2,7 @@
 runs everywhere; several processes write it at once."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ sys.stdin.read()  # stay alive (holding the leases) until the test is done
 class PrefixIndexTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="kvfs-prefix-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
         self.path = os.path.join(self.dir, "index.sqlite")
 
     def test_longest_run_of_indexed_prefixes(self):
