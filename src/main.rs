@@ -15,8 +15,10 @@ use std::path::PathBuf;
     about = "KV-cache storage for LLM inference: a pinned-RAM write-back cache (T1) over SSD",
     long_about = "kvfs keeps the KV cache an inference engine spills out of GPU memory: hot groups \
                   in T1, a bounded write-back cache in host RAM, the rest in a backing store on local \
-                  SSD (io_uring, O_DIRECT). Every group is checksummed; a group whose bytes fail their \
-                  checksum is never served."
+                  SSD (io_uring, O_DIRECT) or in other machines' RAM through a Redis/Valkey server \
+                  or cluster (mount --tier redis). Engines restore and store groups in batches \
+                  through the mount's control file (.kvfs/control). Every group is checksummed; a \
+                  group whose bytes fail their checksum is never served."
 )]
 struct Cli {
     /// Log filter (error, warn, info, debug, trace, or a tracing directive); RUST_LOG also works.
