@@ -68,6 +68,32 @@ pub struct Client {
     stream: Mutex<()>,
 }
 
+/// Makes the region file `path` of `len` zero bytes, mode 0600, if it
+/// does not exist; an existing file is left as it is.
+fn create_region_file(path: &Path, len: u64) -> Result<(), ClientError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let failed = |e: std::io::Error| ClientError::Refused {
+        errno: e.raw_os_error().unwrap_or(libc::EIO),
+        entry: None,
+        message: format!("cannot make region file {}: {e}", path.display()),
+    };
+    match OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+    {
+        Ok(f) => f.set_len(len).map_err(|e| {
+            let _ = std::fs::remove_file(path);
+            failed(e)
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(failed(e)),
+    }
+}
+
 fn check(r: Reply) -> Result<Reply, ClientError> {
     if r.status != 0 {
         return Err(ClientError::Refused {
@@ -189,8 +215,16 @@ impl Client {
     }
 
     /// Registers `len` bytes of a regular file (e.g. in /dev/shm) as a
-    /// region of this fd.
+    /// region of this fd. A file that does not exist yet is made (mode
+    /// 0600, `len` bytes of zeros); an existing one is used as it is (never
+    /// truncated or grown: one shorter than `len` is refused).
     pub fn register_host_region(&self, path: &Path, len: u64) -> Result<u32, ClientError> {
+        let path = std::path::absolute(path).map_err(|e| ClientError::Refused {
+            errno: libc::EINVAL,
+            entry: None,
+            message: format!("region path {}: {e}", path.display()),
+        })?;
+        create_region_file(&path, len)?;
         let path = path.as_os_str().as_encoded_bytes().to_vec();
         let r = self.call(
             &Request::Register {

@@ -8,7 +8,7 @@ use kvfs::client::{Client, Transport};
 use kvfs::control::wire::{self, Request};
 use kvfs::geometry::{GroupKey, Kind};
 use std::fs;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::PathBuf;
 
 /// 4 layers × 512 blocks × 2 heads × {K,V} = 8192 groups of 2 KiB; T1 32 slots.
@@ -296,13 +296,36 @@ fn every_bad_request_is_refused_and_the_daemon_still_serves() {
         (short.path(), 4096, libc::EINVAL, "shorter"),
         (reg.path(), 0, libc::EINVAL, "at least 1"),
     ] {
-        let (e, _, msg) = errno(c.register_host_region(&p, len));
+        // Sent as they are (the client would make a missing file and
+        // an absolute path): the daemon's own refusals.
+        let raw = wire::encode_request(&Request::Register {
+            path: p.as_os_str().as_encoded_bytes().to_vec(),
+            len,
+            flags: 0,
+        });
+        let rep = c.call_bytes(&raw).unwrap();
+        let (e, msg) = (rep.status as i32, rep.message);
         assert!(
             e == want && msg.contains(why),
             "{}: errno {e}: {msg}",
             p.display()
         );
     }
+    // The client makes a missing region file (zeros, 0600) and refuses a
+    // short existing one without growing it.
+    let made = dir.path().join("made");
+    let r8 = c.register_host_region(&made, 3 * GB as u64).unwrap();
+    let md = std::fs::metadata(&made).unwrap();
+    assert_eq!((md.len(), md.mode() & 0o777), (3 * GB as u64, 0o600));
+    c.unregister(r8).unwrap();
+    let (e, _, msg) = errno(c.register_host_region(&short.path(), 4096));
+    assert!(e == libc::EINVAL && msg.contains("shorter"), "{msg}");
+    assert_eq!(std::fs::metadata(short.path()).unwrap().len(), 100);
+    let (e, _, msg) = errno(c.register_host_region(&dir.path().join("no/such/dir"), 10));
+    assert!(
+        e == libc::ENOENT && msg.contains("cannot make region file"),
+        "{msg}"
+    );
     // Unregister twice.
     let r9 = c.register_host_region(&reg.path(), reg.len).unwrap();
     c.unregister(r9).unwrap();

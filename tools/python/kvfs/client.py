@@ -262,8 +262,25 @@ class Kvfs:
     # --- API -------------------------------------------------------------
 
     def register_host_region(self, path, size):
-        """Registers `size` bytes of a regular file (e.g. in /dev/shm) as a region of this fd."""
-        p = os.path.abspath(os.fspath(path)).encode()
+        """Registers `size` bytes of a regular file (e.g. in /dev/shm) as a region of this fd.
+
+        A file that does not exist yet is made (mode 0600, `size` bytes of
+        zeros); an existing one is used as it is (never truncated or grown:
+        one shorter than `size` is refused)."""
+        path = os.path.abspath(os.fspath(path))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                os.close(fd)
+                os.unlink(path)
+                raise
+            os.close(fd)
+        p = path.encode()
         value, _ = self._call(REGISTER, len(p), 0, size, p)
         return value
 

@@ -10,6 +10,7 @@ these tests are skipped.
 import errno
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -81,6 +82,32 @@ class ClientTest(unittest.TestCase):
         self.assertGreaterEqual(waited, 0)
         s = self.kv.stats()
         self.assertEqual(s["kvfs_t1_slots_ready"], s["kvfs_t1_slots_total"])
+
+    def test_a_missing_region_file_is_made_and_a_short_one_refused(self):
+        # The README's example registers a file that need not exist yet.
+        d = tempfile.mkdtemp(dir="/dev/shm", prefix="kvfs-py-")
+        self.addCleanup(shutil.rmtree, d)
+        made = os.path.join(d, "kv")
+        r = self.kv.register_host_region(made, 2 * self.gb)
+        st = os.stat(made)
+        self.assertEqual((st.st_size, st.st_mode & 0o777), (2 * self.gb, 0o600))
+        with open(made, "r+b") as f:
+            f.write(pattern(7, self.gb))
+        self.kv.store([(1, 3, 0, "K", r, 0)])
+        self.kv.restore([(1, 3, 0, "K", r, self.gb)])
+        with open(made, "rb") as f:
+            f.seek(self.gb)
+            self.assertEqual(f.read(self.gb), pattern(7, self.gb))
+        short = os.path.join(d, "short")
+        with open(short, "wb") as f:
+            f.write(b"x" * 100)
+        with self.assertRaises(KvfsError) as e:
+            self.kv.register_host_region(short, 4096)
+        self.assertEqual(e.exception.errno, errno.EINVAL)
+        self.assertIn("shorter", e.exception.message)
+        self.assertEqual(os.stat(short).st_size, 100)
+        with self.assertRaises(FileNotFoundError):
+            self.kv.register_host_region(os.path.join(d, "no", "such"), 10)
 
     def test_layout(self):
         with open(os.path.join(MOUNT, ".kvfs", "layout")) as f:
