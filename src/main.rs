@@ -274,7 +274,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run(cli) {
-        eprintln!("kvfs: {e:#}");
+        eprintln!("kvfs: {}", cli::error_chain(&e));
         std::process::exit(1);
     }
 }

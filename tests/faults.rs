@@ -241,3 +241,85 @@ fn a_t1_full_of_unflushable_groups_fails_writes_cleanly() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn a_store_whose_metadata_cannot_fit_is_not_made_and_a_smaller_one_then_is() {
+    if !can_mount() {
+        return;
+    }
+    let disk = Tmpfs::new("256k");
+    let backing = disk.0.path().join("store");
+    let mpd = tempfile::tempdir().unwrap();
+    // 2 layers × 65536 blocks × 2 heads × K/V: 512 Ki groups, 8 MiB of
+    // metadata on a 256 KiB disk.
+    let mut big: Vec<&str> = GEOMETRY.to_vec();
+    big[3] = "65536";
+    let out = kvfs()
+        .arg("mount")
+        .arg(mpd.path())
+        .arg("--backing")
+        .arg(&backing)
+        .args(["--t1", "1MiB"])
+        .args(&big)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a store that cannot fit was made");
+    assert!(
+        err.contains("cannot reserve the metadata file's space"),
+        "{err}"
+    );
+    // Its cause said once, not twice.
+    let cause = std::io::Error::from_raw_os_error(libc::ENOSPC).to_string();
+    assert_eq!(err.matches(&cause).count(), 1, "{err}");
+    // Nothing of it stays: no superblock to refuse the next geometry, no
+    // files holding the disk's space.
+    let left: Vec<_> = fs::read_dir(&backing)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| !matches!(n.as_str(), "lock" | "kvfs.log"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    mount_on(mpd.path(), &backing, "1MiB");
+    fs::write(group(mpd.path(), 5), pattern(5, 2048)).unwrap();
+    assert!(umount(mpd.path()).status.success());
+}
+
+#[test]
+fn the_backing_filesystem_unmounts_as_soon_as_kvfs_umount_returns() {
+    if !can_mount() {
+        return;
+    }
+    // io_uring's deferred teardown once kept the data file open a moment
+    // past the daemon: umount(8) of the backing then failed with EBUSY.
+    for tier in ["uring", "file"] {
+        let disk = Tmpfs::new("64m");
+        let backing = disk.0.path().join("store");
+        let mpd = tempfile::tempdir().unwrap();
+        let out = kvfs()
+            .arg("mount")
+            .arg(mpd.path())
+            .arg("--backing")
+            .arg(&backing)
+            .args(["--t1", "1MiB", "--tier", tier])
+            .args(GEOMETRY)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for g in 0..64 {
+            fs::write(group(mpd.path(), g), pattern(g, 2048)).unwrap();
+        }
+        fs::read(group(mpd.path(), 600 % 512)).unwrap();
+        assert!(umount(mpd.path()).status.success());
+        let out = Command::new("umount").arg(disk.0.path()).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{tier}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

@@ -499,6 +499,12 @@ impl Cascade {
         self.tier.remote()
     }
 
+    /// Lets go of the tier's kernel resources that would outlive the
+    /// process by a moment (see `Tier::quiesce`); for the daemon's exit.
+    pub fn quiesce_tier(&self) {
+        self.tier.quiesce()
+    }
+
     /// Appends the tier's own metrics (remote tiers) to an exposition.
     pub fn render_tier_stats(&self, e: &mut crate::stats::Exposition) {
         self.tier.render_stats(e)

@@ -319,10 +319,29 @@ fn create(dir: &Path, sb: &Superblock) -> Result<(), StoreError> {
         f.set_len(len).map_err(io_at(&p, "cannot size"))?;
         f.sync_all().map_err(io_at(&p, "cannot sync"))
     };
-    if sb.location == Location::Local {
-        sized("data", crate::tier::data_bytes(layout))?;
+    let made = (|| {
+        if sb.location == Location::Local {
+            sized("data", crate::tier::data_bytes(layout))?;
+        }
+        let meta_len = layout.group_count() * META_RECORD_BYTES;
+        sized("meta", meta_len)?;
+        // Reserved before the superblock goes in: a store whose metadata
+        // cannot fit is never made.
+        let p = dir.join("meta");
+        let f = OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .map_err(io_at(&p, "cannot open"))?;
+        reserve(&f, meta_len).map_err(io_at(&p, "cannot reserve the metadata file's space"))
+    })();
+    if made.is_err() {
+        // Nothing of a store that was not made stays behind (a retry with
+        // another geometry or more room starts clean).
+        for name in ["data", "meta"] {
+            let _ = fs::remove_file(dir.join(name));
+        }
     }
-    sized("meta", layout.group_count() * META_RECORD_BYTES)?;
+    made?;
     install_superblock(dir, sb)
 }
 

@@ -352,7 +352,7 @@ fn block_signals() -> libc::sigset_t {
 fn run_daemon(args: MountArgs, mut ready: Option<File>) -> Result<()> {
     let r = serve(&args, &mut ready);
     if let (Err(e), Some(f)) = (&r, ready.as_mut()) {
-        let _ = write!(f, "error: {e:#}");
+        let _ = write!(f, "error: {}", super::error_chain(e));
     }
     r
 }
@@ -471,6 +471,7 @@ fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
         ),
         Err(e) => tracing::error!("unmounted, but the final flush failed: {e}"),
     }
+    cascade.quiesce_tier();
     r.context("FUSE session failed")
 }
 

@@ -122,6 +122,10 @@ impl<T: Tier> Tier for FaultTier<T> {
         self.inner.layout()
     }
 
+    fn quiesce(&self) {
+        self.inner.quiesce()
+    }
+
     fn read_batch(&self, ops: &mut [ReadOp<'_>]) -> Vec<Result<(), TierError>> {
         let layout = *self.inner.layout();
         let verdicts: Vec<_> = ops

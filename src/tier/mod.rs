@@ -138,6 +138,13 @@ pub trait Tier: Send + Sync {
         None
     }
 
+    /// Lets go of what the kernel would otherwise keep open a moment past
+    /// the process (an io_uring's registered data file): called once the
+    /// daemon is done with the store, so the backing filesystem can be
+    /// unmounted as soon as `kvfs umount` returns. The tier still works
+    /// after (it sets such things up again when next used).
+    fn quiesce(&self) {}
+
     fn read_one(&self, index: GroupIndex, buf: &mut [u8]) -> Result<(), TierError> {
         let mut ops = [ReadOp { index, buf }];
         self.read_batch(&mut ops).pop().expect("one result per op")
@@ -176,6 +183,9 @@ impl<T: Tier + ?Sized> Tier for std::sync::Arc<T> {
     }
     fn remote(&self) -> Option<String> {
         (**self).remote()
+    }
+    fn quiesce(&self) {
+        (**self).quiesce()
     }
 }
 

@@ -246,6 +246,21 @@ impl Tier for UringTier {
         &self.layout
     }
 
+    /// A ring is torn down by the kernel after its fd closes (deferred
+    /// work), and until that is done its registered data file stays open:
+    /// unmounting the backing filesystem right after `kvfs umount` failed
+    /// with EBUSY. Unregistering is synchronous, and the pooled rings have
+    /// nothing in flight (every call reaps its transfers before it gives
+    /// its ring back).
+    fn quiesce(&self) {
+        let rings: Vec<IoUring> = std::mem::take(&mut *self.rings.lock());
+        for ring in rings {
+            if let Err(e) = ring.submitter().unregister_files() {
+                tracing::warn!("cannot unregister the data file from an io_uring: {e}");
+            }
+        }
+    }
+
     fn read_batch(&self, ops: &mut [ReadOp<'_>]) -> Vec<Result<(), TierError>> {
         let mut out = Vec::with_capacity(ops.len());
         let mut xfers = Vec::with_capacity(ops.len());
