@@ -607,6 +607,44 @@ fn mounting_over_a_dead_mount_cleans_it_up() {
 }
 
 #[test]
+fn commands_at_a_dead_mount_say_so_and_umount_removes_it() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::new(&[]);
+    let g = m.p("L1/B2/H0/V");
+    fs::write(&g, pattern(12, GB)).unwrap();
+    File::open(&g).unwrap().sync_all().unwrap();
+    let pid: i32 = fs::read_to_string(m.p(".kvfs/pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // SAFETY: killing the daemon we started.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let t = Instant::now();
+    while Path::new(&format!("/proc/{pid}")).exists() && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for cmd in ["stat", "sync"] {
+        let out = kvfs().arg(cmd).arg(&m.mp).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{cmd} at a dead mount succeeded");
+        assert!(
+            err.contains("daemon of") && err.contains("is gone"),
+            "{cmd}: {err}"
+        );
+    }
+    let out = kvfs().arg("umount").arg(&m.mp).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("had died"), "{err}");
+    assert!(!is_mounted(&m.mp));
+    m.mount(&[]);
+    assert_eq!(fs::read(&g).unwrap(), pattern(12, GB));
+}
+
+#[test]
 fn t1_chunk_from_the_environment() {
     if !can_mount() {
         return;

@@ -213,6 +213,16 @@ fn detach(mp: &Path) -> bool {
     unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) == 0 }
 }
 
+/// Whether `mp` holds a kvfs mount whose daemon is gone: the mount entry
+/// is kvfs's and a read of `.kvfs/pid` finds no daemon (ENOTCONN). A stat
+/// of the mount point alone is no proof of life: the kernel answers it
+/// from its attribute cache for a while after the daemon died.
+fn dead_kvfs_mount(mp: &Path) -> bool {
+    let ours = mount_entry(mp).is_some_and(|(_, src)| src.starts_with(SOURCE_PREFIX));
+    ours && std::fs::read(mp.join(".kvfs").join("pid"))
+        .is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN))
+}
+
 fn check_mountpoint(mp: &Path) -> Result<()> {
     match std::fs::metadata(mp) {
         Ok(m) if m.is_dir() => {}
@@ -240,6 +250,10 @@ fn check_mountpoint(mp: &Path) -> Result<()> {
             )
         }
         Err(e) => bail!("mount point {}: {e}", mp.display()),
+    }
+    if dead_kvfs_mount(mp) && detach(mp) {
+        eprintln!("kvfs: cleaned up a dead kvfs mount at {}", mp.display());
+        return check_mountpoint(mp);
     }
     if let Some((t, src)) = mount_entry(mp) {
         bail!(
@@ -475,14 +489,24 @@ fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
     r.context("FUSE session failed")
 }
 
+/// What a command finds at a kvfs mount whose daemon died.
+fn daemon_gone(mp: &Path) -> anyhow::Error {
+    anyhow::anyhow!(
+        "the kvfs daemon of {} is gone (killed or crashed); `kvfs umount {}` removes its dead mount, then mount again",
+        mp.display(),
+        mp.display()
+    )
+}
+
 fn read_kvfs_file(mp: &Path, name: &str) -> Result<String> {
     let p = mp.join(".kvfs").join(name);
-    std::fs::read_to_string(&p).with_context(|| {
-        format!(
+    std::fs::read_to_string(&p).map_err(|e| match e.raw_os_error() {
+        Some(libc::ENOTCONN) => daemon_gone(mp),
+        _ => anyhow::Error::new(e).context(format!(
             "cannot read {} (is {} a kvfs mount?)",
             p.display(),
             mp.display()
-        )
+        )),
     })
 }
 
@@ -517,6 +541,9 @@ fn human(b: f64) -> String {
 /// when it takes over a second.
 pub fn flush(mp: &Path) -> Result<()> {
     check_kvfs(mp)?;
+    if dead_kvfs_mount(mp) {
+        return Err(daemon_gone(mp));
+    }
     let total = dirty_bytes(mp).unwrap_or(0);
     let p = mp.join(".kvfs/flush");
     let worker = std::thread::spawn(move || -> std::io::Result<()> {
@@ -580,6 +607,23 @@ pub fn flush(mp: &Path) -> Result<()> {
 
 pub fn umount(mp: &Path) -> Result<()> {
     check_kvfs(mp)?;
+    if dead_kvfs_mount(mp) {
+        // Its daemon died (killed, crashed): nothing is left to flush, and
+        // the dead mount only fails every access until it goes.
+        if !detach(mp) {
+            bail!(
+                "the daemon of {} is gone, and its dead mount cannot be removed: {}",
+                mp.display(),
+                std::io::Error::last_os_error()
+            );
+        }
+        eprintln!(
+            "kvfs: the daemon of {} had died; its dead mount is removed (groups it had not \
+             written back are lost; what was synced is kept, see README Reliability)",
+            mp.display()
+        );
+        return Ok(());
+    }
     let pid: i32 = read_kvfs_file(mp, "pid")?
         .trim()
         .parse()
