@@ -810,7 +810,8 @@ pub fn stat(mp: &Path) -> Result<()> {
         let down = get(&format!("{REMOTE_NODES}{{state=\"down\"}}"));
         let trips = get(&format!("{REMOTE_ROUND_TRIP}_count{{tier=\"redis\"}}"));
         let secs = get(&format!("{REMOTE_ROUND_TRIP}_sum{{tier=\"redis\"}}"));
-        println!("  remote     {remote}: {up} nodes connected, {down} down");
+        let nodes = if up == 1.0 { "node" } else { "nodes" };
+        println!("  remote     {remote}: {up} {nodes} connected, {down} down");
         println!(
             "             errors {}, timeouts {}, lost {}, corrupt {}, OOM {}; round trips {trips}{}",
             get(REMOTE_ERRORS),
