@@ -645,6 +645,30 @@ fn commands_at_a_dead_mount_say_so_and_umount_removes_it() {
 }
 
 #[test]
+fn a_t1_bigger_than_the_machine_is_refused() {
+    if !can_mount() {
+        return;
+    }
+    let info = fs::read_to_string("/proc/meminfo").unwrap();
+    let kib: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    let m = Mount::unmounted();
+    let t1 = format!("{}", (kib + (1 << 20)) * 1024);
+    let out = m.try_mount(&["--t1", &t1]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a T1 bigger than RAM was mounted");
+    assert!(err.contains("more than the memory"), "{err}");
+    assert!(!is_mounted(&m.mp));
+}
+
+#[test]
 fn t1_chunk_from_the_environment() {
     if !can_mount() {
         return;

@@ -50,7 +50,8 @@ pub struct MountArgs {
     /// Backing store directory (made if absent) [default: /var/lib/kvfs as root, else ~/.local/share/kvfs].
     #[arg(long)]
     pub backing: Option<PathBuf>,
-    /// T1 size: host RAM for the write-back cache (64MiB, 1GiB, 4G, bytes).
+    /// T1 size: host RAM for the write-back cache (64MiB, 1GiB, 4G, bytes); more than the
+    /// machine's (or its cgroup's) memory is refused, more than is available now warned of.
     #[arg(long, default_value = DEFAULT_T1)]
     pub t1: String,
     /// Backing tier: uring (io_uring, O_DIRECT), file (pread/pwrite), or
@@ -388,12 +389,91 @@ fn t1_chunk() -> Result<u64> {
     Ok(b)
 }
 
+/// The memory this daemon may use: the machine's RAM (MemTotal), or its
+/// cgroup's limit (cgroup v2 `memory.max`) where that is lower; and what
+/// is available now (MemAvailable). None where /proc/meminfo is unreadable.
+fn memory_room() -> Option<(u64, u64)> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = info.lines().find(|l| l.starts_with(name))?;
+        let kib: u64 = line[name.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib * 1024)
+    };
+    let mut total = field("MemTotal:")?;
+    let mut avail = field("MemAvailable:").unwrap_or(total);
+    // cgroup v2 (`0::PATH`: memory.max, memory.current) or v1 (`N:memory:PATH`:
+    // memory.limit_in_bytes, memory.usage_in_bytes); "max" or a huge v1
+    // number is no limit.
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    for line in cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = match (parts.next(), parts.next(), parts.next()) {
+            (Some(a), Some(b), Some(c)) => (a, b, c.trim_start_matches('/')),
+            _ => continue,
+        };
+        let (dir, max, current) = match controllers {
+            "" => (
+                Path::new("/sys/fs/cgroup").join(path),
+                "memory.max",
+                "memory.current",
+            ),
+            c if c.split(',').any(|c| c == "memory") => (
+                Path::new("/sys/fs/cgroup/memory").join(path),
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            ),
+            _ => continue,
+        };
+        let read = |f: &str| -> Option<u64> {
+            std::fs::read_to_string(dir.join(f))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        };
+        if let Some(max) = read(max) {
+            total = total.min(max);
+            avail = avail.min(max.saturating_sub(read(current).unwrap_or(0)));
+        }
+    }
+    Some((total, avail))
+}
+
+/// Refuses a T1 bigger than the memory the daemon may ever have (it would
+/// be killed for memory with dirty groups in T1 once T1 filled); a warning
+/// (returned) for one bigger than what is available now.
+fn check_t1_fits(t1_bytes: u64) -> Result<Option<String>> {
+    let Some((total, avail)) = memory_room() else {
+        return Ok(None);
+    };
+    if t1_bytes > total {
+        bail!(
+            "--t1 {} is more than the memory this machine (or cgroup) has, {}: once T1 filled, the daemon would be killed for memory with dirty groups in it; give a smaller --t1",
+            human(t1_bytes as f64),
+            human(total as f64)
+        );
+    }
+    Ok((t1_bytes > avail).then(|| {
+        format!(
+            "T1 ({}) is more than the memory available now ({}): as it fills, the machine may swap or kill processes for memory",
+            human(t1_bytes as f64),
+            human(avail as f64)
+        )
+    }))
+}
+
 fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
     check_mountpoint(&args.mountpoint)?;
     // Before any thread starts, so every thread inherits the mask.
     let sigs = block_signals();
     let t1_bytes = kvfs::geometry::parse_size(&args.t1).map_err(anyhow::Error::msg)?;
     let t1_chunk_bytes = t1_chunk()?;
+    let t1_note = check_t1_fits(t1_bytes)?;
     let backing = args.backing.clone().unwrap_or_else(default_backing);
     let requested = args.requested_layout()?;
     let fresh = !backing.join("superblock").exists();
@@ -466,11 +546,15 @@ fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
             }
         })?;
     tracing::info!("mounted at {}", args.mountpoint.display());
-    for note in cascade.notes() {
+    let notes: Vec<String> = t1_note
+        .into_iter()
+        .chain(cascade.notes().iter().cloned())
+        .collect();
+    for note in &notes {
         tracing::warn!("{note}");
     }
     if let Some(mut f) = ready.take() {
-        for note in cascade.notes() {
+        for note in &notes {
             let _ = writeln!(f, "warning: {}", note.replace('\n', " "));
         }
         let _ = f.write_all(b"ok\n");
