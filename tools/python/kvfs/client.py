@@ -133,7 +133,21 @@ class Kvfs:
     def __init__(self, mountpoint, use_ioctl=True):
         self.mountpoint = os.fspath(mountpoint)
         self._use_ioctl = use_ioctl
-        self._fd = os.open(os.path.join(self.mountpoint, ".kvfs", "control"), os.O_RDWR | os.O_CLOEXEC)
+        control = os.path.join(self.mountpoint, ".kvfs", "control")
+        try:
+            self._fd = os.open(control, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                errno.ENOENT, f"{self.mountpoint} is not a kvfs mount (no .kvfs/control there)", control
+            ) from None
+        except OSError as e:
+            if e.errno != errno.ENOTCONN:
+                raise
+            raise OSError(
+                errno.ENOTCONN,
+                f"the kvfs daemon of {self.mountpoint} is gone (killed or crashed); "
+                f"`kvfs umount {self.mountpoint}` removes its dead mount, then mount again",
+            ) from None
         self._lock = threading.RLock()
         self._scratch = None  # (region, mmap, size): where large batches' entries go
         self._done_words = None  # the int64 CUDA tensor of register_done_words

@@ -142,6 +142,9 @@ class PackageTest(unittest.TestCase):
             kvfs.client._kind("X")
         with self.assertRaises(ValueError):
             kvfs.Kvfs.__new__(kvfs.Kvfs).register_cuda_region(b"short", 4096)
+        with self.assertRaises(FileNotFoundError) as e:
+            kvfs.Kvfs(HERE)
+        self.assertIn("is not a kvfs mount", str(e.exception))
 
     @unittest.skipUnless(os.path.exists(SHIM), "tools/kvfs_client.py is not beside the package")
     def test_old_module_still_reexports(self):
