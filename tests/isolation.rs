@@ -213,3 +213,150 @@ fn without_allow_other_a_second_user_cannot_reach_the_mount() {
         "another user read a group of an owner-only mount"
     );
 }
+
+/// Puts /dev/fuse's mode back, and removes a user's mount left by a
+/// failed check.
+struct Restore {
+    mode: u32,
+    mp: std::path::PathBuf,
+}
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(self.mode)).ok();
+        if is_mounted(&self.mp) {
+            let _ = Command::new("umount").arg("-l").arg(&self.mp).status();
+        }
+    }
+}
+
+#[test]
+fn a_user_mounts_and_unmounts_a_store_of_their_own() {
+    if !can_mount() {
+        return;
+    }
+    let Some((uid, gid)) = other_user() else {
+        eprintln!("skipped: cannot make the user {USER} (useradd)");
+        return;
+    };
+    let helper = [
+        "/usr/bin/fusermount3",
+        "/bin/fusermount3",
+        "/usr/bin/fusermount",
+    ]
+    .iter()
+    .any(|p| std::path::Path::new(p).exists());
+    if !helper {
+        eprintln!("skipped: no fusermount3 (fuse3) for a user's mount");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let bin = dir.path().join("kvfs");
+    fs::copy(env!("CARGO_BIN_EXE_kvfs"), &bin).unwrap();
+    fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
+    let home = dir.path().join("home");
+    let mp = home.join("m");
+    fs::create_dir_all(&mp).unwrap();
+    for p in [&home, &mp] {
+        std::os::unix::fs::chown(p, Some(uid), Some(gid)).unwrap();
+    }
+    let backing = home.join("b");
+    let geo = geometry(2, 8);
+    let run = |args: &[&str]| {
+        Command::new(&bin)
+            .args(args)
+            .env("HOME", &home)
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .current_dir("/")
+            .as_user(uid, gid)
+            .output()
+            .unwrap()
+    };
+    let (mps, bs) = (mp.to_str().unwrap(), backing.to_str().unwrap());
+    let mut mount_args = vec!["mount", mps, "--backing", bs, "--t1", "1MiB"];
+    mount_args.extend(geo.iter().map(String::as_str));
+    let shell = |script: &str| {
+        Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .current_dir("/")
+            .as_user(uid, gid)
+            .output()
+            .unwrap()
+    };
+    let mode = fs::metadata("/dev/fuse").unwrap().mode() & 0o7777;
+    let _restore = Restore {
+        mode,
+        mp: mp.clone(),
+    };
+    // /dev/fuse closed to users: a clear refusal, nothing mounted.
+    fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(0o600)).unwrap();
+    let out = run(&mount_args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "mounted without /dev/fuse access");
+    assert!(err.contains("/dev/fuse is not open to this user"), "{err}");
+    assert!(!is_mounted(&mp));
+    // Open to users (the usual 0666): mounted and unmounted through
+    // fusermount3, as the user.
+    fs::set_permissions("/dev/fuse", fs::Permissions::from_mode(0o666)).unwrap();
+    let out = run(&mount_args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let group = mp.join("L0/B1/H0/K");
+    let out = shell(&format!(
+        "printf kvfs-user > {0} && sync {0}",
+        group.display()
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run(&["umount", mps]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!is_mounted(&mp));
+    // Its daemon killed: `kvfs umount` (the user's) removes the dead mount.
+    let out = run(&mount_args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = shell(&format!("cat {}", mp.join(".kvfs/pid").display()));
+    let pid: i32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    // SAFETY: killing the daemon this test started.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let t = std::time::Instant::now();
+    while std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && t.elapsed() < std::time::Duration::from_secs(20)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = run(&["umount", mps]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("had died"), "{err}");
+    assert!(!is_mounted(&mp));
+    // The synced group is there after all of it.
+    let out = run(&mount_args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = shell(&format!("head -c 9 {}", group.display()));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "kvfs-user");
+    let out = run(&["umount", mps]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -205,13 +205,57 @@ pub fn mount_entry(path: &Path) -> Option<(String, String)> {
     })
 }
 
-/// Lazily unmounts `mp` (MNT_DETACH); whether it worked.
-fn detach(mp: &Path) -> bool {
-    let Ok(c) = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes()) else {
-        return false;
-    };
+/// Unmounts `mp` (lazily: MNT_DETACH). Where umount(2) is not allowed
+/// (a user's own FUSE mount, not root), through the setuid helper that
+/// mounted it, `fusermount3 -u` (or `fusermount`); a busy mount is EBUSY
+/// either way.
+fn unmount(mp: &Path, lazy: bool) -> std::io::Result<()> {
+    let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes())?;
+    let flags = if lazy { libc::MNT_DETACH } else { 0 };
     // SAFETY: umount2 with a valid C string.
-    unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) == 0 }
+    if unsafe { libc::umount2(c.as_ptr(), flags) } == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EPERM) {
+        return Err(e);
+    }
+    let mut last = e;
+    for helper in ["fusermount3", "fusermount"] {
+        let mut cmd = std::process::Command::new(helper);
+        cmd.arg(if lazy { "-uz" } else { "-u" }).arg(mp);
+        match cmd.output() {
+            Ok(out) if out.status.success() => return Ok(()),
+            Ok(out) => {
+                let why = String::from_utf8_lossy(&out.stderr).trim().to_string();
+                if why.contains("busy") {
+                    return Err(std::io::Error::from_raw_os_error(libc::EBUSY));
+                }
+                return Err(std::io::Error::other(format!("{helper}: {why}")));
+            }
+            Err(e) => last = e,
+        }
+    }
+    Err(std::io::Error::new(
+        last.kind(),
+        format!("umount(2) is for root, and no fusermount3 or fusermount helper ran: {last}"),
+    ))
+}
+
+/// Whether an executable `name` is in a directory of PATH.
+fn on_path(name: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::env::var_os("PATH").is_some_and(|path| {
+        std::env::split_paths(&path).any(|d| {
+            std::fs::metadata(d.join(name))
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+    })
+}
+
+/// Lazily unmounts `mp`; whether it worked.
+fn detach(mp: &Path) -> bool {
+    unmount(mp, true).is_ok()
 }
 
 /// Whether `mp` holds a kvfs mount whose daemon is gone: the mount entry
@@ -265,6 +309,23 @@ fn check_mountpoint(mp: &Path) -> Result<()> {
     if !Path::new("/dev/fuse").exists() {
         bail!(
             "/dev/fuse does not exist: load the fuse module (modprobe fuse) or run where FUSE is available"
+        );
+    }
+    // SAFETY: geteuid has no preconditions; access with a valid C string.
+    let (root, dev_ok) = unsafe {
+        (
+            libc::geteuid() == 0,
+            libc::access(c"/dev/fuse".as_ptr(), libc::R_OK | libc::W_OK) == 0,
+        )
+    };
+    if !root && !dev_ok {
+        bail!(
+            "/dev/fuse is not open to this user (only root may open it here): mount as root, or let users open it (chmod 0666 /dev/fuse, the usual setting; fusermount3 then mounts for them)"
+        );
+    }
+    if !root && !["fusermount3", "fusermount"].iter().any(|h| on_path(h)) {
+        bail!(
+            "mounting as a user needs the setuid helper fusermount3 (or fusermount): install fuse3, or mount as root"
         );
     }
     Ok(())
@@ -694,11 +755,10 @@ pub fn umount(mp: &Path) -> Result<()> {
     if dead_kvfs_mount(mp) {
         // Its daemon died (killed, crashed): nothing is left to flush, and
         // the dead mount only fails every access until it goes.
-        if !detach(mp) {
+        if let Err(e) = unmount(mp, true) {
             bail!(
-                "the daemon of {} is gone, and its dead mount cannot be removed: {}",
-                mp.display(),
-                std::io::Error::last_os_error()
+                "the daemon of {} is gone, and its dead mount cannot be removed: {e}",
+                mp.display()
             );
         }
         eprintln!(
@@ -713,10 +773,7 @@ pub fn umount(mp: &Path) -> Result<()> {
         .parse()
         .context("bad .kvfs/pid")?;
     flush(mp)?;
-    let c = std::ffi::CString::new(mp.as_os_str().as_encoded_bytes())?;
-    // SAFETY: umount2 with a valid C string.
-    if unsafe { libc::umount2(c.as_ptr(), 0) } != 0 {
-        let e = std::io::Error::last_os_error();
+    if let Err(e) = unmount(mp, false) {
         if e.raw_os_error() == Some(libc::EBUSY) {
             bail!(
                 "cannot unmount {}: it is busy (a process has a file or directory open there); everything is flushed",
