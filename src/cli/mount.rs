@@ -331,7 +331,17 @@ fn check_mountpoint(mp: &Path) -> Result<()> {
     Ok(())
 }
 
-pub fn mount(args: MountArgs) -> Result<()> {
+pub fn mount(mut args: MountArgs) -> Result<()> {
+    // Absolute from here on: the mount's source name (`kvfs:BACKING`), the
+    // messages and the daemon's log all name real places, whatever the
+    // directory `kvfs mount` ran in.
+    args.mountpoint = std::path::absolute(&args.mountpoint)
+        .with_context(|| format!("mount point {}", args.mountpoint.display()))?;
+    if let Some(b) = &args.backing {
+        args.backing = Some(
+            std::path::absolute(b).with_context(|| format!("backing directory {}", b.display()))?,
+        );
+    }
     if args.foreground || args.ready_fd.is_some() {
         // A daemon reports the outcome on its pipe; a foreground run just returns it.
         let ready = args.ready_fd.map(|fd| {
