@@ -669,6 +669,42 @@ fn a_t1_bigger_than_the_machine_is_refused() {
 }
 
 #[test]
+fn a_foreground_mount_tells_systemd_when_it_is_ready_and_when_it_stops() {
+    if !can_mount() {
+        return;
+    }
+    let m = Mount::unmounted();
+    let dir = tempfile::tempdir().unwrap();
+    let sock_path = dir.path().join("notify");
+    let sock = std::os::unix::net::UnixDatagram::bind(&sock_path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let mut child = kvfs()
+        .arg("mount")
+        .arg(&m.mp)
+        .arg("--backing")
+        .arg(&m.backing)
+        .args(["--t1", "64KiB", "--foreground"])
+        .args(geometry(2, 8))
+        .env("NOTIFY_SOCKET", &sock_path)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let n = sock.recv(&mut buf).expect("no READY=1 from the daemon");
+    let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(msg.starts_with("READY=1\n"), "{msg}");
+    // Ready means ready: the mount answers at once.
+    assert!(is_mounted(&m.mp));
+    fs::write(m.p("L1/B3/H0/V"), pattern(3, GB)).unwrap();
+    m.umount();
+    let n = sock.recv(&mut buf).expect("no STOPPING=1 from the daemon");
+    let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(msg.starts_with("STOPPING=1\n"), "{msg}");
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
 fn t1_chunk_from_the_environment() {
     if !can_mount() {
         return;

@@ -538,6 +538,27 @@ fn check_t1_fits(t1_bytes: u64) -> Result<Option<String>> {
     }))
 }
 
+/// Tells systemd how the service stands (`Type=notify` units: READY=1
+/// once the mount is ready, STOPPING=1 when the final flush starts), where
+/// it gave a socket (NOTIFY_SOCKET: a path, or `@name` in the abstract
+/// namespace). Failures are logged, never fatal.
+fn notify_systemd(state: &str) {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let Some(socket) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let bytes = socket.as_encoded_bytes();
+    let addr = match bytes.strip_prefix(b"@") {
+        Some(name) => SocketAddr::from_abstract_name(name),
+        None => SocketAddr::from_pathname(Path::new(&socket)),
+    };
+    let sent = addr.and_then(|a| UnixDatagram::unbound()?.send_to_addr(state.as_bytes(), &a));
+    if let Err(e) = sent {
+        tracing::warn!("cannot notify systemd at {}: {e}", socket.to_string_lossy());
+    }
+}
+
 fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
     check_mountpoint(&args.mountpoint)?;
     // Before any thread starts, so every thread inherits the mask.
@@ -630,9 +651,16 @@ fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
         }
         let _ = f.write_all(b"ok\n");
     }
+    notify_systemd(&format!(
+        "READY=1\nSTATUS=mounted at {}",
+        args.mountpoint.display()
+    ));
     let r = session.run();
     let t = Instant::now();
     let dirty = cascade.stats().dirty_bytes;
+    notify_systemd(&format!(
+        "STOPPING=1\nSTATUS=unmounted; flushing {dirty} dirty bytes"
+    ));
     match cascade.sync_all() {
         Ok(()) => tracing::info!(
             "unmounted; flushed {dirty} dirty bytes in {:?}",
