@@ -53,8 +53,17 @@ import queue
 import threading
 import time
 
-import torch
-from transformers.cache_utils import Cache, DynamicLayer
+try:
+    import torch
+    from transformers.cache_utils import Cache, DynamicLayer
+except ImportError as _e:
+    _why = f"kvfs.hf needs torch and transformers 5.x (pip install torch transformers): {_e}"
+    if __name__ == "__main__":
+        import sys
+
+        print(f"python -m kvfs.hf: {_why}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise ImportError(_why) from _e
 
 from .client import Encoded, Kvfs, KvfsError
 from .prefix import DEFAULT_INDEX, OutOfBlocks, PrefixIndex  # noqa: F401  (re-exported)
