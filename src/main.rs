@@ -282,7 +282,7 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Mount(args) => cli::mount::mount(args)?,
-        Cmd::Umount { mountpoint } => cli::mount::umount(&mountpoint)?,
+        Cmd::Umount { mountpoint } => cli::running::umount(&mountpoint)?,
         Cmd::Stat {
             mountpoint,
             watch,
@@ -290,12 +290,12 @@ fn run(cli: Cli) -> Result<()> {
             count,
         } => {
             if watch {
-                cli::mount::stat_watch(&mountpoint, interval, count)?
+                cli::running::stat_watch(&mountpoint, interval, count)?
             } else {
-                cli::mount::stat(&mountpoint)?
+                cli::running::stat(&mountpoint)?
             }
         }
-        Cmd::Sync { mountpoint } => cli::mount::flush(&mountpoint)?,
+        Cmd::Sync { mountpoint } => cli::running::flush(&mountpoint)?,
         Cmd::Ctl { mountpoint, what } => ctl(&mountpoint, what)?,
         Cmd::Bench { what } => match what {
             BenchCmd::Restore {

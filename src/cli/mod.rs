@@ -2,6 +2,8 @@
 //! `main.rs` holds the argument parsing and the other commands.
 
 pub mod mount;
+pub mod running;
+mod system;
 
 /// `e` and its causes, joined by ": " as `{e:#}` does, leaving out a cause
 /// whose text its outer message already ends with (errors that print their
