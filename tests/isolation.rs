@@ -353,6 +353,39 @@ fn a_user_mounts_and_unmounts_a_store_of_their_own() {
     );
     let out = shell(&format!("head -c 9 {}", group.display()));
     assert_eq!(String::from_utf8_lossy(&out.stdout), "kvfs-user");
+    // Root's `kvfs umount` of it (FUSE keeps root out without
+    // --allow-other): unmounted, and the daemon's own final flush keeps a
+    // group written but never synced.
+    let dirty = mp.join("L1/B2/H1/V");
+    let out = shell(&format!("printf unsynced > {}", dirty.display()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = shell(&format!("cat {}", mp.join(".kvfs/pid").display()));
+    let pid: i32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    let out = kvfs().arg("umount").arg(&mp).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && err.contains("another user's mount"),
+        "{err}"
+    );
+    assert!(!is_mounted(&mp));
+    let t = std::time::Instant::now();
+    while std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && t.elapsed() < std::time::Duration::from_secs(20)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = run(&mount_args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = shell(&format!("head -c 8 {}", dirty.display()));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "unsynced");
     let out = run(&["umount", mps]);
     assert!(
         out.status.success(),
