@@ -747,6 +747,36 @@ fn damaged_superblock_is_a_clear_error() {
 }
 
 #[test]
+fn a_metadata_file_cut_short_is_refused_not_grown_with_zeros() {
+    let layout = small_layout();
+    let gb = layout.group_bytes() as usize;
+    let dir = tempfile::tempdir().unwrap();
+    let k = Cascade::open(&bcfg(dir.path(), Some(layout)), CascadeConfig::default()).unwrap();
+    let last = GroupIndex(layout.group_count() - 1);
+    k.write(last, 0, &pattern(9, gb)).unwrap();
+    k.sync_all().unwrap();
+    drop(k);
+    let meta = dir.path().join("meta");
+    let whole = std::fs::metadata(&meta).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&meta)
+        .unwrap()
+        .set_len(whole / 2)
+        .unwrap();
+    let e = Cascade::open(&bcfg(dir.path(), None), CascadeConfig::default())
+        .err()
+        .unwrap();
+    let msg = format!("{e:#}");
+    assert!(
+        msg.contains("damaged") && msg.contains("cut short"),
+        "{msg}"
+    );
+    // Left as it was found: not grown back with zeros.
+    assert_eq!(std::fs::metadata(&meta).unwrap().len(), whole / 2);
+}
+
+#[test]
 fn forty_million_groups_open_at_once() {
     // llama-3.1-70b: 80 layers × 8 heads × 2 = 1280 groups a block.
     let layout = GroupLayout::preset("llama-3.1-70b", 31_250, 16).unwrap();

@@ -38,6 +38,14 @@ if [ ! -x "$OUT/lazyfs" ]; then
     echo "LazyFS sources not found at $SRC (set KVFS_LAZYFS_SRC)" >&2; exit 77
   fi
   echo "== building LazyFS into $OUT"
+  mkdir -p "$(dirname "$OUT")"
+  # libfuse3-dev unpacked by .ci/run where it cannot be installed: its
+  # headers and link name, found through the compiler's search paths.
+  f3=${KVFS_FUSE3_DEV:-$HOME/.cache/kvfs/fuse3-dev}
+  if [ -f "$f3/usr/include/fuse3/fuse.h" ]; then
+    export CPATH="$f3/usr/include${CPATH:+:$CPATH}"
+    export LIBRARY_PATH="$f3/usr/lib/x86_64-linux-gnu${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  fi
   if ! bash "$SRC/lazyfs-build.sh" "$OUT" > "$OUT.build.log" 2>&1; then
     echo "LazyFS did not build (its dependencies: libtoml11-dev libspdlog-dev libfuse3-dev cmake g++); see $OUT.build.log" >&2
     exit 77

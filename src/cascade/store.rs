@@ -185,7 +185,22 @@ impl Backing {
             .write(true)
             .open(&meta_path)
             .map_err(io_at(&meta_path, "cannot open the metadata file"))?;
-        reserve(&meta_file, layout.group_count() * META_RECORD_BYTES).map_err(io_at(
+        let meta_len = layout.group_count() * META_RECORD_BYTES;
+        let found = meta_file
+            .metadata()
+            .map_err(io_at(&meta_path, "cannot stat the metadata file"))?
+            .len();
+        if found != meta_len {
+            // Reserving would grow a short file with zeros: every group
+            // past its end would read as never written, silently.
+            return Err(StoreError::Damaged {
+                path: meta_path.clone(),
+                why: format!(
+                    "the metadata file is {found} bytes, the geometry needs {meta_len} ({META_RECORD_BYTES} a group): it was cut short or replaced, and the groups it no longer describes cannot be told apart from never-written ones; restore the file, or move the directory aside and start a new store"
+                ),
+            });
+        }
+        reserve(&meta_file, meta_len).map_err(io_at(
             &meta_path,
             "cannot reserve the metadata file's space",
         ))?;
