@@ -33,6 +33,7 @@ struct Cli {
 const MOUNT_ENV: &str = "\
 Environment (read by the daemon when it starts; each default is the measured choice, see README):
   RUST_LOG                              log filter, as --log
+  NOTIFY_SOCKET                         set by systemd (Type=notify): READY=1 once mounted, STOPPING=1 at the final flush
   KVFS_GPU_COPY=auto|engines|kernel     restores of T1-resident groups: copy engines where slots join into runs, else the gather kernel (auto); or force one
   KVFS_GPU_ROWS=pieces                  strided GPU entries as one copy a piece, not the rows kernel
   KVFS_GPU_SORT=off|auto|on             GPU copies in the order of their host addresses (auto: copies under 16 KiB); default off
