@@ -77,6 +77,18 @@ fn bad_arguments_are_clear_errors() {
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("expected uring, file or redis"));
+    // FUSE threads: 0 would serve nothing, and each holds a /dev/fuse fd.
+    for n in ["0", "1025"] {
+        let out = kvfs()
+            .args(["mount", "/nonexistent-kvfs-mp", "--threads", n])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("1..=1024"),
+            "{n}: {err}"
+        );
+    }
 }
 
 #[test]

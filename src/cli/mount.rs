@@ -11,6 +11,7 @@
 use super::running::human;
 use super::system::{
     SOURCE_PREFIX, dead_kvfs_mount, detach, memory_room, mount_entry, notify_systemd, on_path,
+    raise_open_files_limit,
 };
 use anyhow::{Context, Result, bail};
 use kvfs::cascade::{BackingConfig, Cascade, CascadeConfig, PolicyKind};
@@ -108,9 +109,9 @@ pub struct MountArgs {
     /// Element type: bf16, fp16, fp32 or fp8.
     #[arg(long)]
     pub dtype: Option<Dtype>,
-    /// FUSE worker threads [default: number of cores].
-    #[arg(long)]
-    pub threads: Option<usize>,
+    /// FUSE worker threads, 1 to 1024 (each holds a /dev/fuse fd) [default: number of cores].
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub threads: Option<u16>,
     /// Stay in the foreground (logs to stderr) instead of detaching.
     #[arg(long)]
     pub foreground: bool,
@@ -411,6 +412,7 @@ fn check_t1_fits(t1_bytes: u64) -> Result<Option<String>> {
 
 fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
     check_mountpoint(&args.mountpoint)?;
+    raise_open_files_limit();
     // Before any thread starts, so every thread inherits the mask.
     let sigs = block_signals();
     let t1_bytes = kvfs::geometry::parse_size(&args.t1).map_err(anyhow::Error::msg)?;
@@ -458,9 +460,9 @@ fn serve(args: &MountArgs, ready: &mut Option<File>) -> Result<()> {
     let fs = KvFs::new(cascade.clone(), uid, gid);
     let opts = MountOptions {
         source: format!("{SOURCE_PREFIX}{}", backing.display()),
-        threads: args.threads.unwrap_or_else(|| {
+        threads: args.threads.map(usize::from).unwrap_or_else(|| {
             std::thread::available_parallelism()
-                .map(|n| n.get())
+                .map(|n| n.get().min(1024))
                 .unwrap_or(2)
         }),
         allow_other: args.allow_other,

@@ -172,3 +172,21 @@ pub(super) fn process_alive(pid: i32) -> bool {
         Err(_) => false,
     }
 }
+
+/// Raises this process's soft limit on open files to its hard limit: the
+/// daemon holds a /dev/fuse fd per FUSE thread and the files of every
+/// control session and region, and a soft limit of 1024 (a common default)
+/// would fail a mount with many threads after it was reported ready.
+pub(super) fn raise_open_files_limit() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: get/setrlimit on a struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
