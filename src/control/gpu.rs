@@ -167,6 +167,47 @@ fn restore_parts(n: usize, busy: usize) -> usize {
     parts_when().parts(n, busy)
 }
 
+/// Where the parts of a restore of `n` groups pinned on admission end,
+/// launched in `parts` parts: equal parts, or (`first`, from
+/// `KVFS_RESTORE_PART_FIRST`) a first part of `first` groups and each
+/// next one twice the one before, the last taking what is left, at most
+/// RESTORE_PARTS_MAX. A small first part starts the copy sooner (its
+/// groups looked up and pinned sooner); doubling keeps each next part's
+/// look ups shorter than the copy before it (a 4 KiB group takes about
+/// two thirds of its copy to look up and pin).
+fn admission_ends(n: usize, parts: usize, first: Option<usize>) -> Vec<usize> {
+    let Some(first) = first.filter(|_| parts > 1) else {
+        let size = n.div_ceil(parts.max(1));
+        return (1..=n.div_ceil(size)).map(|k| (k * size).min(n)).collect();
+    };
+    let mut ends = Vec::new();
+    let (mut at, mut size) = (0, first.max(1));
+    while at < n {
+        // The last part takes what is left once the next would not fit
+        // twice, or where the parts would run out.
+        let end = match at + 2 * size >= n || ends.len() + 1 == RESTORE_PARTS_MAX {
+            true => n,
+            false => at + size,
+        };
+        ends.push(end);
+        at = end;
+        size *= 2;
+    }
+    ends
+}
+
+/// `KVFS_RESTORE_PART_FIRST`: the first part's groups of a restore
+/// launched in parts on admission (then doubling); unset or 0: equal parts.
+fn part_first() -> Option<usize> {
+    static FIRST: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *FIRST.get_or_init(|| {
+        std::env::var("KVFS_RESTORE_PART_FIRST")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&f: &usize| f > 0)
+    })
+}
+
 /// `KVFS_RESTORE_PART_GROUPS`, read once.
 fn parts_when() -> PartsWhen {
     static WHEN: std::sync::OnceLock<PartsWhen> = std::sync::OnceLock::new();
@@ -418,14 +459,14 @@ impl Session {
         let cascade = &self.ctl.cascade;
         let n = work.len();
         let gb = cascade.layout().group_bytes();
-        let size = n.div_ceil(parts);
-        let Some((addrs, pins)) = cascade.try_pin_resident(&groups[..size]) else {
+        let ends = admission_ends(n, parts, part_first());
+        let Some((addrs, pins)) = cascade.try_pin_resident(&groups[..ends[0]]) else {
             return Ok(Parted::NotInT1);
         };
         // Slots that happen to be contiguous go to the copy engines, the
         // whole batch at once (judged by the first part's copies: auto
         // judges by the first PROJECT_AFTER anyway).
-        let items = &work.items[..size];
+        let items = &work.items[..ends[0]];
         if self
             .engine_runs(gpu, work, items, &addrs, gb, shape.engine_unit())
             .is_some()
@@ -449,8 +490,7 @@ impl Session {
             .map_err(restore_failed)?;
         let mut next = Some(addrs);
         let mut at = 0;
-        while at < n {
-            let end = (at + size).min(n);
+        for &end in &ends {
             let addrs = match next.take() {
                 Some(a) => a,
                 None => match cascade.try_pin_resident(&groups[at..end]) {
@@ -490,7 +530,7 @@ impl Session {
         tracing::debug!(
             ticket,
             n,
-            parts,
+            parts = ends.len(),
             admit_us = admitted.elapsed().as_micros() as u64,
             checks_us,
             first_us,
@@ -814,6 +854,45 @@ fn resolve_part(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Parts on admission: equal (the last may be short), or growing
+    /// from a first part by doubling, the last taking the rest, never
+    /// over RESTORE_PARTS_MAX; every end ascending, the last n.
+    #[test]
+    fn admission_parts_are_equal_or_double_from_the_first() {
+        assert_eq!(
+            admission_ends(4096, 8, None),
+            (1..=8).map(|k| k * 512).collect::<Vec<_>>()
+        );
+        assert_eq!(admission_ends(1000, 3, None), vec![334, 668, 1000]);
+        assert_eq!(admission_ends(1024, 1, Some(64)), vec![1024]);
+        assert_eq!(
+            admission_ends(4096, 8, Some(64)),
+            vec![64, 192, 448, 960, 1984, 4096]
+        );
+        assert_eq!(admission_ends(1024, 4, Some(64)), vec![64, 192, 448, 1024]);
+        assert_eq!(
+            admission_ends(2048, 8, Some(1)),
+            vec![1, 3, 7, 15, 31, 63, 127, 2048]
+        );
+        for n in [2, 3, 100, 511, 512, 513, 2047, 4096] {
+            for first in [None, Some(1), Some(64), Some(5000)] {
+                for parts in 1..=RESTORE_PARTS_MAX {
+                    let e = admission_ends(n, parts, first);
+                    assert_eq!(*e.last().unwrap(), n, "{n} {parts} {first:?}");
+                    assert!(e.windows(2).all(|w| w[0] < w[1]) && e[0] > 0);
+                    assert!(
+                        e.len()
+                            <= parts.max(1).max(if first.is_some() {
+                                RESTORE_PARTS_MAX
+                            } else {
+                                0
+                            })
+                    );
+                }
+            }
+        }
+    }
 
     /// Parts by default only on an idle lane; `on`, a size, `off` as the
     /// variable says; never more than RESTORE_PARTS_MAX, never below one.
