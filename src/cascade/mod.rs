@@ -324,6 +324,10 @@ pub struct Cascade {
     /// Each slot's words (lock, pins, group, flags, memory), together.
     slots: Box<[SlotMeta]>,
     state: Mutex<State>,
+    /// The policy's hit bits where a hit is one bit (SIEVE): restores
+    /// into GPU memory set them outside the state lock, after each slot's
+    /// read lock (see `Policy::marks`); None: hits go through `touch`.
+    marks: Option<std::sync::Arc<policy::Marks>>,
     /// Spare slots a GPU store's copies on write let go (see
     /// `claim_slots`): free, unpinned and unlocked, kept here until the
     /// next claim moves them onto the free list under the state lock, so
@@ -434,6 +438,7 @@ impl Cascade {
         };
         let first_slots = chunk_slots(0);
         let policy = cfg.policy.build(n_slots);
+        let marks = policy.marks();
         Ok(Cascade {
             layout,
             tier,
@@ -459,6 +464,7 @@ impl Cascade {
                 free: (0..first_slots).rev().map(SlotId).collect(),
                 policy,
             }),
+            marks,
             spares: Mutex::new(Vec::new()),
             changed: Condvar::new(),
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),

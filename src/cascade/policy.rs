@@ -9,9 +9,12 @@
 //! forever); keep tracking the victim until the caller calls `remove` (an
 //! eviction can fail, and then the slot stays where it was). Every method
 //! runs under the cascade's state lock, on every hit: O(1) apart from the
-//! victim scan.
+//! victim scan. A policy whose hit is one bit (`marks`) may have that
+//! bit set without the lock, by whoever holds the slot's read lock.
 
 use super::SlotId;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A replacement policy.
 pub trait Policy: Send {
@@ -23,6 +26,54 @@ pub trait Policy: Send {
     /// Brings what `touch(slot)` or `insert(slot)` will write into cache
     /// (see `slotmap::prefetch`).
     fn prefetch(&self, slot: SlotId);
+    /// Where a hit is one bit (SIEVE's "visited"): the bits, which a
+    /// caller may set (`Marks::set`) for a slot whose group it holds
+    /// read-locked, instead of `touch` under the state lock. A bit set for
+    /// a slot not tracked is harmless: `insert` clears it.
+    fn marks(&self) -> Option<Arc<Marks>> {
+        None
+    }
+}
+
+/// One bit a slot, set and taken atomically: 1 MiB of bits covers 8 Mi
+/// slots, so a batch's hits mostly find their word in cache where each
+/// would otherwise miss on its own list node.
+pub struct Marks(Box<[AtomicU64]>);
+
+impl Marks {
+    fn new(capacity: u32) -> Marks {
+        Marks(
+            (0..(capacity as usize).div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+        )
+    }
+
+    fn word(&self, s: SlotId) -> (&AtomicU64, u64) {
+        (&self.0[s.0 as usize / 64], 1 << (s.0 % 64))
+    }
+
+    /// Sets `s`'s bit (a hit); a word whose bit is set already is not
+    /// written, so hits on hot slots do not bounce its line between cores.
+    pub fn set(&self, s: SlotId) {
+        let (w, bit) = self.word(s);
+        if w.load(Ordering::Relaxed) & bit == 0 {
+            w.fetch_or(bit, Ordering::Relaxed);
+        }
+    }
+
+    fn clear(&self, s: SlotId) {
+        let (w, bit) = self.word(s);
+        if w.load(Ordering::Relaxed) & bit != 0 {
+            w.fetch_and(!bit, Ordering::Relaxed);
+        }
+    }
+
+    /// Clears `s`'s bit; whether it was set.
+    fn take(&self, s: SlotId) -> bool {
+        let (w, bit) = self.word(s);
+        w.load(Ordering::Relaxed) & bit != 0 && w.fetch_and(!bit, Ordering::Relaxed) & bit != 0
+    }
 }
 
 /// Policies selectable by name.
@@ -58,16 +109,14 @@ impl std::str::FromStr for PolicyKind {
 
 const NIL: u32 = u32::MAX;
 
-/// One slot's place in a list: its neighbours and flags side by side, so
-/// an insert or a hit touches one cache line of it (slots come and go in
+/// One slot's place in a list: its neighbours and flag side by side, so
+/// an insert touches one cache line of it (slots come and go in
 /// scattered order, and each line missed costs ~100 ns under the lock).
 #[derive(Clone, Copy)]
 struct Node {
     prev: u32,
     next: u32,
     linked: bool,
-    /// The policy's bit (SIEVE's "visited").
-    mark: bool,
 }
 
 /// An intrusive doubly-linked list over slot ids; head is newest.
@@ -85,7 +134,6 @@ impl SlotList {
                 prev: NIL,
                 next: NIL,
                 linked: false,
-                mark: false,
             }),
             head: NIL,
             tail: NIL,
@@ -139,8 +187,9 @@ impl SlotList {
 }
 
 pub struct Sieve {
-    /// Each node's mark is its visited bit.
     list: SlotList,
+    /// Each slot's visited bit, set by hits with or without the lock.
+    visited: Arc<Marks>,
     hand: u32,
 }
 
@@ -148,6 +197,7 @@ impl Sieve {
     pub fn new(capacity: u32) -> Sieve {
         Sieve {
             list: SlotList::new(capacity),
+            visited: Arc::new(Marks::new(capacity)),
             hand: NIL,
         }
     }
@@ -159,7 +209,7 @@ impl Policy for Sieve {
     }
 
     fn insert(&mut self, slot: SlotId) {
-        self.list.nodes[slot.0 as usize].mark = false;
+        self.visited.clear(slot);
         self.list.push_head(slot.0);
     }
 
@@ -168,7 +218,11 @@ impl Policy for Sieve {
     }
 
     fn touch(&mut self, slot: SlotId) {
-        self.list.nodes[slot.0 as usize].mark = true;
+        self.visited.set(slot);
+    }
+
+    fn marks(&self) -> Option<Arc<Marks>> {
+        Some(self.visited.clone())
     }
 
     fn remove(&mut self, slot: SlotId) {
@@ -187,10 +241,13 @@ impl Policy for Sieve {
                 self.hand = self.list.tail;
             }
             let h = self.hand;
-            let node = &mut self.list.nodes[h as usize];
-            self.hand = node.prev;
-            if node.mark {
-                node.mark = false;
+            self.hand = self.list.prev(h);
+            // A visited slot is spared in the first sweep only: hits may
+            // set bits while this runs (without the lock), and a second
+            // sweep that spared them could miss an evictable slot.
+            let first_sweep = budget >= self.list.len as u64;
+            if self.visited.take(SlotId(h)) && first_sweep {
+                // Spared this time round.
             } else if evictable(SlotId(h)) {
                 return Some(SlotId(h));
             }
@@ -275,6 +332,24 @@ mod tests {
         p.remove(SlotId(2));
         assert_eq!(p.victim(&mut |_| true), Some(SlotId(3)));
         assert_eq!(p.victim(&mut |_| false), None);
+    }
+
+    /// Hits may set SIEVE's bits while a victim is sought (without the
+    /// lock): the second sweep no longer spares them, so an evictable
+    /// slot is still found.
+    #[test]
+    fn sieve_finds_a_victim_while_hits_mark_every_slot() {
+        let mut p = Sieve::new(3);
+        for s in 0..3 {
+            p.insert(SlotId(s));
+            p.touch(SlotId(s));
+        }
+        let marks = p.marks().unwrap();
+        let v = p.victim(&mut |s| {
+            (0..3).for_each(|t| marks.set(SlotId(t)));
+            s == SlotId(2)
+        });
+        assert_eq!(v, Some(SlotId(2)));
     }
 
     proptest! {

@@ -432,6 +432,7 @@ impl Cascade {
             {
                 addrs[i as usize] = Some(d);
                 hits += 1;
+                self.mark_hit(SlotId(s));
             }
         };
         // The slots busy at first: waited for in ascending slot order,
@@ -470,6 +471,14 @@ impl Cascade {
         (addrs, pins, busy)
     }
 
+    /// Tells a one-bit policy of a hit on `s`, whose group the caller holds
+    /// read-locked (`lock_mapped` left it to this).
+    fn mark_hit(&self, s: SlotId) {
+        if let Some(m) = &self.marks {
+            m.set(s);
+        }
+    }
+
     /// How many entries ahead `lock_looked_up` asks for a slot's line.
     const AHEAD: usize = 16;
 
@@ -498,12 +507,16 @@ impl Cascade {
             if all && slots.iter().any(Option::is_none) {
                 return None;
             }
-            for &s in slots.iter().flatten() {
-                self.prefetch_slot(&st, s);
-            }
-            for &s in slots.iter().flatten() {
-                if st.slot_state[s.0 as usize] == SlotState::Resident {
-                    st.policy.touch(s);
+            // Hits that are one bit are marked once each slot is locked,
+            // with this lock gone (`lock_looked_up`).
+            if self.marks.is_none() {
+                for &s in slots.iter().flatten() {
+                    self.prefetch_slot(&st, s);
+                }
+                for &s in slots.iter().flatten() {
+                    if st.slot_state[s.0 as usize] == SlotState::Resident {
+                        st.policy.touch(s);
+                    }
                 }
             }
             slots
@@ -541,6 +554,7 @@ impl Cascade {
                     std::mem::forget(g);
                     pins.locked.push(s.0);
                     ready.push(entry);
+                    self.mark_hit(s);
                 }
                 // Reused since the look up: not in T1 (any more).
                 Some(_) if all => return None,
@@ -615,6 +629,50 @@ pub(super) mod tests {
         let slot = |g| c.state.lock().map.get(&GroupIndex(g)).unwrap();
         let (s0, s1) = (slot(0), slot(1));
         (c, s0, s1)
+    }
+
+    /// A GPU restore's hit counts for SIEVE though it is marked outside
+    /// the state lock: the slot it read is spared by the next eviction,
+    /// which takes the next oldest instead; under LRU the hit moves it up.
+    #[test]
+    fn a_device_hit_spares_its_slot_from_the_next_eviction() {
+        for policy in [
+            crate::cascade::PolicyKind::Sieve,
+            crate::cascade::PolicyKind::Lru,
+        ] {
+            let layout = GroupLayout::new(1, 8, 1, 16, 64, Dtype::Bf16).unwrap();
+            let c = Arc::new(
+                Cascade::new(
+                    layout,
+                    Box::new(MemTier::new(layout)),
+                    MetaTable::anonymous(layout.group_count()).unwrap(),
+                    CascadeConfig {
+                        t1_bytes: 4 * layout.stride(),
+                        policy,
+                        ..CascadeConfig::default()
+                    },
+                )
+                .unwrap(),
+            );
+            let gb = layout.group_bytes() as usize;
+            for g in 0..4u64 {
+                c.write(GroupIndex(g), 0, &vec![g as u8 + 1; gb]).unwrap();
+            }
+            // Group 0 is the oldest: without a hit it would go first.
+            let (_, pins, busy) = c.pin_for_device(&[GroupIndex(0)]);
+            assert!(busy.is_empty());
+            drop(pins);
+            c.write(GroupIndex(4), 0, &vec![5; gb]).unwrap();
+            let resident = c.resident();
+            assert!(
+                resident.contains(&GroupIndex(0)),
+                "{policy:?}: {resident:?}"
+            );
+            assert!(
+                !resident.contains(&GroupIndex(1)),
+                "{policy:?}: {resident:?}"
+            );
+        }
     }
 
     /// A restore's look up found a group in a slot that holds another
