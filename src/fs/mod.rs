@@ -82,6 +82,10 @@ pub struct KvFs {
     control_mode: u16,
     born: SystemTime,
     handles: Mutex<HashMap<u64, Handle>>,
+    /// Handles in `handles`, less those whose release is not yet replied
+    /// to: an in-process unmount waits for none (see `BackgroundMount`),
+    /// else a release the kernel sent before it would be answered after.
+    open: Arc<AtomicU64>,
     next_fh: AtomicU64,
     lat: Latencies,
     started: Instant,
@@ -148,6 +152,7 @@ impl KvFs {
             control_mode: 0o600,
             born: SystemTime::now(),
             handles: Mutex::new(HashMap::new()),
+            open: Arc::default(),
             next_fh: AtomicU64::new(1),
             lat: Latencies::default(),
             started: Instant::now(),
@@ -169,6 +174,7 @@ impl KvFs {
     fn new_handle(&self, h: Handle) -> FileHandle {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         self.handles.lock().insert(fh, h);
+        self.open.fetch_add(1, Ordering::Release);
         FileHandle(fh)
     }
 }
@@ -373,10 +379,13 @@ impl Filesystem for KvFs {
         // lock is not held meanwhile (dropping a session lets go of its
         // regions, which can take a while).
         let handle = self.handles.lock().remove(&fh.0);
-        if let Some(Handle::Control(s)) = handle {
+        if let Some(Handle::Control(s)) = &handle {
             s.close();
         }
         reply.ok();
+        if handle.is_some() {
+            self.open.fetch_sub(1, Ordering::Release);
+        }
     }
 
     fn fsync(&self, _r: &Request, ino: INodeNo, _fh: FileHandle, _ds: bool, reply: ReplyEmpty) {
@@ -438,10 +447,13 @@ impl Filesystem for KvFs {
         // lock is not held meanwhile (dropping a session lets go of its
         // regions, which can take a while).
         let handle = self.handles.lock().remove(&fh.0);
-        if let Some(Handle::Control(s)) = handle {
+        if let Some(Handle::Control(s)) = &handle {
             s.close();
         }
         reply.ok();
+        if handle.is_some() {
+            self.open.fetch_sub(1, Ordering::Release);
+        }
     }
 
     fn fsyncdir(&self, _r: &Request, _i: INodeNo, _fh: FileHandle, _ds: bool, reply: ReplyEmpty) {

@@ -7,6 +7,9 @@
 
 use super::{Inodes, KvFs, Node};
 use fuser::{Filesystem, INodeNo};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// How to mount kvfs.
 pub struct MountOptions {
@@ -16,8 +19,8 @@ pub struct MountOptions {
     pub allow_other: bool,
 }
 
-/// A mounted kvfs, not yet served.
-pub struct Mounted(fuser::Session<KvFs>);
+/// A mounted kvfs, not yet served (and its count of open handles).
+pub struct Mounted(fuser::Session<KvFs>, Arc<AtomicU64>);
 
 impl Mounted {
     /// A handle that unmounts from another thread (signal handling).
@@ -33,17 +36,30 @@ impl Mounted {
 
     /// Serves requests from background threads (benches and tests).
     pub fn spawn(self) -> std::io::Result<BackgroundMount> {
-        self.0.spawn().map(BackgroundMount)
+        let open = self.1;
+        self.0.spawn().map(|s| BackgroundMount(s, Some(open)))
     }
 }
 
 /// A filesystem mounted by this process, served by background threads;
 /// dropping it unmounts.
-pub struct BackgroundMount(fuser::BackgroundSession);
+pub struct BackgroundMount(fuser::BackgroundSession, Option<Arc<AtomicU64>>);
+
+/// How long `BackgroundMount::unmount` waits for releases in flight.
+const RELEASE_WAIT: Duration = Duration::from_secs(2);
 
 impl BackgroundMount {
-    /// Unmounts and waits for the serving threads.
+    /// Unmounts and waits for the serving threads. A kvfs mount first
+    /// waits (up to RELEASE_WAIT) for the releases of files just closed:
+    /// the kernel sends those without waiting for their replies, and one
+    /// answered after the unmount fails ("Failed to send FUSE reply").
     pub fn unmount(self) -> std::io::Result<()> {
+        if let Some(open) = &self.1 {
+            let t = Instant::now();
+            while open.load(Ordering::Acquire) > 0 && t.elapsed() < RELEASE_WAIT {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         self.0.umount_and_join()
     }
 }
@@ -62,7 +78,7 @@ pub fn mount_background<F: Filesystem>(
     ];
     config.n_threads = Some(threads.max(1));
     config.clone_fd = true;
-    fuser::spawn_mount(fs, mountpoint, &config).map(BackgroundMount)
+    fuser::spawn_mount(fs, mountpoint, &config).map(|s| BackgroundMount(s, None))
 }
 
 impl KvFs {
@@ -95,6 +111,7 @@ impl KvFs {
         let control = self.control.clone();
         let inodes = Inodes::new(*self.cascade.layout());
         let known = self.known.clone();
+        let open = self.open.clone();
         let session = fuser::Session::new(self, mountpoint, &config)?;
         let notifier = session.notifier();
         control.set_change_hook(Box::new(move |g| {
@@ -103,6 +120,6 @@ impl KvFs {
                 let _ = notifier.inval_inode(INodeNo(ino), 0, 0);
             }
         }));
-        Ok(Mounted(session))
+        Ok(Mounted(session, open))
     }
 }
