@@ -601,28 +601,34 @@ impl Cascade {
 #[cfg(test)]
 pub(super) mod tests {
     use super::sort_by_slot;
-    use crate::cascade::{Cascade, CascadeConfig, MetaTable, SlotId};
+    use crate::cascade::{Cascade, CascadeConfig, MetaTable, PolicyKind, SlotId};
     use crate::geometry::{Dtype, GroupIndex, GroupLayout};
     use crate::tier::MemTier;
     use std::sync::Arc;
 
-    /// A cascade of 4 groups' T1 over 8 groups, with groups 0 and 1
-    /// written (resident, dirty): it and their slots.
-    pub(in crate::cascade) fn two_resident() -> (Arc<Cascade>, SlotId, SlotId) {
+    /// A cascade of 4 groups' T1 over 8 groups, under `policy`.
+    fn four_slots(policy: PolicyKind) -> Arc<Cascade> {
         let layout = GroupLayout::new(1, 4, 1, 16, 64, Dtype::Bf16).unwrap();
-        let c = Arc::new(
+        Arc::new(
             Cascade::new(
                 layout,
                 Box::new(MemTier::new(layout)),
                 MetaTable::anonymous(layout.group_count()).unwrap(),
                 CascadeConfig {
                     t1_bytes: 4 * layout.stride(),
+                    policy,
                     ..CascadeConfig::default()
                 },
             )
             .unwrap(),
-        );
-        let gb = layout.group_bytes() as usize;
+        )
+    }
+
+    /// `four_slots` with groups 0 and 1 written (resident, dirty): it and
+    /// their slots.
+    pub(in crate::cascade) fn two_resident() -> (Arc<Cascade>, SlotId, SlotId) {
+        let c = four_slots(PolicyKind::default());
+        let gb = c.layout.group_bytes() as usize;
         for g in 0..2u64 {
             c.write(GroupIndex(g), 0, &vec![g as u8 + 1; gb]).unwrap();
         }
@@ -636,25 +642,9 @@ pub(super) mod tests {
     /// which takes the next oldest instead; under LRU the hit moves it up.
     #[test]
     fn a_device_hit_spares_its_slot_from_the_next_eviction() {
-        for policy in [
-            crate::cascade::PolicyKind::Sieve,
-            crate::cascade::PolicyKind::Lru,
-        ] {
-            let layout = GroupLayout::new(1, 8, 1, 16, 64, Dtype::Bf16).unwrap();
-            let c = Arc::new(
-                Cascade::new(
-                    layout,
-                    Box::new(MemTier::new(layout)),
-                    MetaTable::anonymous(layout.group_count()).unwrap(),
-                    CascadeConfig {
-                        t1_bytes: 4 * layout.stride(),
-                        policy,
-                        ..CascadeConfig::default()
-                    },
-                )
-                .unwrap(),
-            );
-            let gb = layout.group_bytes() as usize;
+        for policy in [PolicyKind::Sieve, PolicyKind::Lru] {
+            let c = four_slots(policy);
+            let gb = c.layout.group_bytes() as usize;
             for g in 0..4u64 {
                 c.write(GroupIndex(g), 0, &vec![g as u8 + 1; gb]).unwrap();
             }
