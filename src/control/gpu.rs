@@ -890,14 +890,12 @@ mod tests {
                     let e = admission_ends(n, parts, first);
                     assert_eq!(*e.last().unwrap(), n, "{n} {parts} {first:?}");
                     assert!(e.windows(2).all(|w| w[0] < w[1]) && e[0] > 0);
-                    assert!(
-                        e.len()
-                            <= parts.max(1).max(if first.is_some() {
-                                RESTORE_PARTS_MAX
-                            } else {
-                                0
-                            })
-                    );
+                    let most = if first.is_some() {
+                        RESTORE_PARTS_MAX
+                    } else {
+                        parts
+                    };
+                    assert!(e.len() <= most, "{n} {parts} {first:?}: {e:?}");
                 }
             }
         }

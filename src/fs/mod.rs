@@ -177,6 +177,22 @@ impl KvFs {
         self.open.fetch_add(1, Ordering::Release);
         FileHandle(fh)
     }
+
+    /// A file or directory's release: its handle goes (a control session
+    /// closes), the release is answered, then counted out of `open`.
+    fn release_handle(&self, fh: FileHandle, reply: ReplyEmpty) {
+        // Taken out before the session closes and drops: the handle table's
+        // lock is not held meanwhile (dropping a session lets go of its
+        // regions, which can take a while).
+        let handle = self.handles.lock().remove(&fh.0);
+        if let Some(Handle::Control(s)) = &handle {
+            s.close();
+        }
+        reply.ok();
+        if handle.is_some() {
+            self.open.fetch_sub(1, Ordering::Release);
+        }
+    }
 }
 
 impl Filesystem for KvFs {
@@ -375,17 +391,7 @@ impl Filesystem for KvFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        // Taken out before the session closes and drops: the handle table's
-        // lock is not held meanwhile (dropping a session lets go of its
-        // regions, which can take a while).
-        let handle = self.handles.lock().remove(&fh.0);
-        if let Some(Handle::Control(s)) = &handle {
-            s.close();
-        }
-        reply.ok();
-        if handle.is_some() {
-            self.open.fetch_sub(1, Ordering::Release);
-        }
+        self.release_handle(fh, reply);
     }
 
     fn fsync(&self, _r: &Request, ino: INodeNo, _fh: FileHandle, _ds: bool, reply: ReplyEmpty) {
@@ -443,17 +449,7 @@ impl Filesystem for KvFs {
         _f: OpenFlags,
         reply: ReplyEmpty,
     ) {
-        // Taken out before the session closes and drops: the handle table's
-        // lock is not held meanwhile (dropping a session lets go of its
-        // regions, which can take a while).
-        let handle = self.handles.lock().remove(&fh.0);
-        if let Some(Handle::Control(s)) = &handle {
-            s.close();
-        }
-        reply.ok();
-        if handle.is_some() {
-            self.open.fetch_sub(1, Ordering::Release);
-        }
+        self.release_handle(fh, reply);
     }
 
     fn fsyncdir(&self, _r: &Request, _i: INodeNo, _fh: FileHandle, _ds: bool, reply: ReplyEmpty) {
