@@ -68,12 +68,18 @@ fn group(mp: &Path, g: u64) -> std::path::PathBuf {
 }
 
 fn mount_on(mp: &Path, backing: &Path, t1: &str) {
+    mount_with(mp, backing, &["--t1", t1]);
+}
+
+/// `kvfs mount` at `mp` of `backing` with the test geometry and `args`;
+/// must succeed.
+fn mount_with(mp: &Path, backing: &Path, args: &[&str]) {
     let out = kvfs()
         .arg("mount")
         .arg(mp)
         .arg("--backing")
         .arg(backing)
-        .args(["--t1", t1])
+        .args(args)
         .args(GEOMETRY)
         .output()
         .unwrap();
@@ -296,20 +302,7 @@ fn the_backing_filesystem_unmounts_as_soon_as_kvfs_umount_returns() {
         let disk = Tmpfs::new("64m");
         let backing = disk.0.path().join("store");
         let mpd = tempfile::tempdir().unwrap();
-        let out = kvfs()
-            .arg("mount")
-            .arg(mpd.path())
-            .arg("--backing")
-            .arg(&backing)
-            .args(["--t1", "1MiB", "--tier", tier])
-            .args(GEOMETRY)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        mount_with(mpd.path(), &backing, &["--t1", "1MiB", "--tier", tier]);
         for g in 0..64 {
             fs::write(group(mpd.path(), g), pattern(g, 2048)).unwrap();
         }

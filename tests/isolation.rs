@@ -36,6 +36,19 @@ fn other_user() -> Option<(u32, u32)> {
     Some((id("-u")?, id("-g")?))
 }
 
+/// The second user, where this machine can mount at all and the user
+/// can be made (else None, the skip said).
+fn mountable_second_user() -> Option<(u32, u32)> {
+    if !can_mount() {
+        return None;
+    }
+    let user = other_user();
+    if user.is_none() {
+        eprintln!("skipped: cannot make the user {USER} (useradd)");
+    }
+    user
+}
+
 /// Runs Python as the second user with the client library on its path;
 /// returns its stdout (one "name=value" line per check).
 fn as_other(uid: u32, gid: u32, libdir: &std::path::Path, script: &str) -> String {
@@ -89,11 +102,7 @@ fn field<'a>(text: &'a str, name: &str) -> &'a str {
 
 #[test]
 fn a_second_user_uses_only_its_own_regions_and_may_not_store() {
-    if !can_mount() {
-        return;
-    }
-    let Some((uid, gid)) = other_user() else {
-        eprintln!("skipped: cannot make the user {USER} (useradd)");
+    let Some((uid, gid)) = mountable_second_user() else {
         return;
     };
     let m = Mount::new(&["--allow-other"]);
@@ -191,11 +200,7 @@ print("fuse_write=" + code(write_group))
 
 #[test]
 fn without_allow_other_a_second_user_cannot_reach_the_mount() {
-    if !can_mount() {
-        return;
-    }
-    let Some((uid, gid)) = other_user() else {
-        eprintln!("skipped: cannot make the user {USER} (useradd)");
+    let Some((uid, gid)) = mountable_second_user() else {
         return;
     };
     let m = Mount::new(&[]);
@@ -232,11 +237,7 @@ impl Drop for Restore {
 
 #[test]
 fn a_user_mounts_and_unmounts_a_store_of_their_own() {
-    if !can_mount() {
-        return;
-    }
-    let Some((uid, gid)) = other_user() else {
-        eprintln!("skipped: cannot make the user {USER} (useradd)");
+    let Some((uid, gid)) = mountable_second_user() else {
         return;
     };
     let helper = [
@@ -331,15 +332,7 @@ fn a_user_mounts_and_unmounts_a_store_of_their_own() {
         String::from_utf8_lossy(&out.stderr)
     );
     let out = shell(&format!("cat {}", mp.join(".kvfs/pid").display()));
-    let pid: i32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
-    // SAFETY: killing the daemon this test started.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
-    let t = std::time::Instant::now();
-    while std::path::Path::new(&format!("/proc/{pid}")).exists()
-        && t.elapsed() < std::time::Duration::from_secs(20)
-    {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    kill_and_wait(String::from_utf8_lossy(&out.stdout).trim().parse().unwrap());
     let out = run(&["umount", mps]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && err.contains("had died"), "{err}");

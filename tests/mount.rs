@@ -333,6 +333,12 @@ fn df_used_groups(m: &Mount) -> (u64, u64) {
     (blocks - free, blocks)
 }
 
+/// Kills the mount's daemon (SIGKILL) and waits until it is gone.
+fn kill_daemon(m: &Mount) {
+    let pid = fs::read_to_string(m.p(".kvfs/pid")).unwrap();
+    kill_and_wait(pid.trim().parse().unwrap());
+}
+
 /// `kvfs mount` of the test's backing with no geometry options; must succeed.
 fn kvfs_mount_plain(m: &Mount) -> std::process::Output {
     let out = kvfs()
@@ -588,17 +594,7 @@ fn mounting_over_a_dead_mount_cleans_it_up() {
     let g = m.p("L0/B1/H0/K");
     fs::write(&g, pattern(11, GB)).unwrap();
     File::open(&g).unwrap().sync_all().unwrap();
-    let pid: i32 = fs::read_to_string(m.p(".kvfs/pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    // SAFETY: killing the daemon we started.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
-    let t = Instant::now();
-    while Path::new(&format!("/proc/{pid}")).exists() && t.elapsed() < Duration::from_secs(20) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    kill_daemon(&m);
     assert_eq!(errno_of(fs::metadata(m.p("L0"))), libc::ENOTCONN);
     let out = kvfs_mount_plain(&m);
     assert!(String::from_utf8_lossy(&out.stderr).contains("cleaned up a dead kvfs mount"));
@@ -615,17 +611,7 @@ fn commands_at_a_dead_mount_say_so_and_umount_removes_it() {
     let g = m.p("L1/B2/H0/V");
     fs::write(&g, pattern(12, GB)).unwrap();
     File::open(&g).unwrap().sync_all().unwrap();
-    let pid: i32 = fs::read_to_string(m.p(".kvfs/pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    // SAFETY: killing the daemon we started.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
-    let t = Instant::now();
-    while Path::new(&format!("/proc/{pid}")).exists() && t.elapsed() < Duration::from_secs(20) {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    kill_daemon(&m);
     for cmd in ["stat", "sync"] {
         let out = kvfs().arg(cmd).arg(&m.mp).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

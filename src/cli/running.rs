@@ -121,6 +121,20 @@ pub fn flush(mp: &Path) -> Result<()> {
         })
 }
 
+/// Unmounts `mp`; a busy mount is said so (`note` added to the message).
+fn unmount_or_busy(mp: &Path, note: &str) -> Result<()> {
+    if let Err(e) = unmount(mp, false) {
+        if e.raw_os_error() == Some(libc::EBUSY) {
+            bail!(
+                "cannot unmount {}: it is busy (a process has a file or directory open there){note}",
+                mp.display()
+            );
+        }
+        return Err(e).with_context(|| format!("cannot unmount {}", mp.display()));
+    }
+    Ok(())
+}
+
 pub fn umount(mp: &Path) -> Result<()> {
     check_kvfs(mp)?;
     if dead_kvfs_mount(mp) {
@@ -146,15 +160,7 @@ pub fn umount(mp: &Path) -> Result<()> {
     if root && denied {
         // Another user's mount without --allow-other: FUSE keeps even root
         // out, so no flush from here; the daemon makes its own on unmount.
-        if let Err(e) = unmount(mp, false) {
-            if e.raw_os_error() == Some(libc::EBUSY) {
-                bail!(
-                    "cannot unmount {}: it is busy (a process has a file or directory open there)",
-                    mp.display()
-                );
-            }
-            return Err(e).with_context(|| format!("cannot unmount {}", mp.display()));
-        }
+        unmount_or_busy(mp, "")?;
         eprintln!(
             "kvfs: {} is another user's mount (closed to root without --allow-other): unmounted; its daemon writes back every dirty group before it exits",
             mp.display()
@@ -166,15 +172,7 @@ pub fn umount(mp: &Path) -> Result<()> {
         .parse()
         .context("bad .kvfs/pid")?;
     flush(mp)?;
-    if let Err(e) = unmount(mp, false) {
-        if e.raw_os_error() == Some(libc::EBUSY) {
-            bail!(
-                "cannot unmount {}: it is busy (a process has a file or directory open there); everything is flushed",
-                mp.display()
-            );
-        }
-        return Err(e).with_context(|| format!("cannot unmount {}", mp.display()));
-    }
+    unmount_or_busy(mp, "; everything is flushed")?;
     // Wait for the daemon's final flush and exit.
     let t = Instant::now();
     while process_alive(pid) {

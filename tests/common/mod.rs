@@ -110,6 +110,19 @@ impl Drop for Mount {
     }
 }
 
+/// Kills process `pid` (a daemon the test started) with SIGKILL and
+/// waits, up to 20 s, until it is gone.
+pub fn kill_and_wait(pid: i32) {
+    // SAFETY: a signal to a process the test started.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let t = std::time::Instant::now();
+    while Path::new(&format!("/proc/{pid}")).exists()
+        && t.elapsed() < std::time::Duration::from_secs(20)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 pub fn is_mounted(mp: &Path) -> bool {
     let canon = fs::canonicalize(mp).unwrap_or(mp.to_path_buf());
     fs::read_to_string("/proc/self/mountinfo")
