@@ -225,7 +225,7 @@ def correctness(kv, gb, dev):
     kv.unregister(r2)
     print(f"correctness: one store of {m} groups ({m * gb / 2**20:.1f} MiB, several staging launches) from "
           "scattered GPU memory, restored bit-identical")
-    # A restore (launched in parts of 256 groups on admission: the
+    # A restore (launched in parts on admission, the first of 64 groups: the
     # daemon's default one ticket at a time, or KVFS_RESTORE_PART_GROUPS=on
     # in its environment) whose last part is not in T1: the
     # groups there were never written, so they restore as zeros, through

@@ -217,6 +217,22 @@ fn part_first() -> Option<usize> {
     })
 }
 
+/// `KVFS_RESTORE_PART_STREAMS`: 2 puts every second part of a restore
+/// launched in parts on admission on a second stream; 1 (the default)
+/// keeps them all on the fd's lane. `tools/parts_probe.cu` on an H100
+/// (2026-12-07): one 16 MiB restore in admission's parts landed in 353 /
+/// 347 µs over two streams against 370 / 358 µs on one (4 KiB / 16 KiB
+/// groups); not yet run in kvfs on a GPU.
+fn part_streams() -> usize {
+    static STREAMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *STREAMS.get_or_init(
+        || match std::env::var("KVFS_RESTORE_PART_STREAMS").as_deref() {
+            Ok("2") => 2,
+            _ => 1,
+        },
+    )
+}
+
 /// `KVFS_RESTORE_PART_GROUPS`, read once.
 fn parts_when() -> PartsWhen {
     static WHEN: std::sync::OnceLock<PartsWhen> = std::sync::OnceLock::new();
@@ -495,6 +511,7 @@ impl Session {
                 shape.kernel_rows(true),
                 &mut lane,
                 DoneWord::signal(done.as_ref(), ticket),
+                part_streams() == 2,
             )
             .map_err(restore_failed)?;
         let mut next = Some(addrs);
@@ -521,8 +538,13 @@ impl Session {
                 .map_err(restore_failed)?;
             at = end;
         }
-        drop(lane);
         let launched = at;
+        if launched < n {
+            // The rest's copy waits for the ticket's event: after every
+            // part launched, on both streams.
+            copy.join(&mut lane).map_err(restore_failed)?;
+        }
+        drop(lane);
         if launched < n {
             tracing::debug!(
                 n,

@@ -597,7 +597,11 @@ impl Engine {
     /// time (`PartedRestore::launch`), each part as soon as its
     /// descriptors are written, so the copy starts after the first part's
     /// lookups, not after all of them. No flag: nothing on the lane waits
-    /// on the host.
+    /// on the host. With `two_streams`, every second part goes on a
+    /// stream of its own, so a part starts while the one before it
+    /// drains (on one stream each part's first blocks wait for the last
+    /// one's last); the lane waits for that stream before the ticket's
+    /// end (done word, event).
     pub fn restore_parts(
         &self,
         n: usize,
@@ -605,6 +609,7 @@ impl Engine {
         rows: Option<Rows>,
         lane: &mut LaneGuard<'_>,
         signal: Signal,
+        two_streams: bool,
     ) -> Result<PartedRestore, String> {
         let c = self.pool.driver()?;
         let pool = &self.pool;
@@ -616,8 +621,20 @@ impl Engine {
         if lane.0.is_none() {
             *lane.0 = Some(pool.take_stream()?);
         }
+        let side = match two_streams {
+            true => Some(Side {
+                c,
+                event: pool.take_event()?,
+                stream: Some(pool.take_stream()?),
+                pending: false,
+                pool: pool.clone(),
+            }),
+            false => None,
+        };
         let flag = table.as_ptr().cast::<u32>();
         Ok(PartedRestore {
+            side,
+            parts: 0,
             inner: Restore {
                 ready: ReadyFlag::unarmed(flag),
                 c,
@@ -719,6 +736,11 @@ fn write_descriptors_at(
 
 /// A restore launched a part at a time (see `Engine::restore_parts`).
 pub struct PartedRestore {
+    /// First, so dropped first: a restore given up waits for its parts
+    /// on the second stream before `inner`'s drop waits for the lane's.
+    side: Option<Side>,
+    /// Parts launched so far.
+    parts: usize,
     inner: Restore,
     table_dev: u64,
     bytes: u64,
@@ -766,6 +788,23 @@ impl PartedRestore {
         let table = self.inner.table.as_mut().expect("until finished");
         write_descriptors_at(table, at, n, descs);
         self.launched += n;
+        let part = self.parts;
+        self.parts += 1;
+        let descs = self.table_dev + (FLAG_BYTES + DESCRIPTOR_BYTES * at) as u64;
+        let c = self.inner.c;
+        // Every second part on the second stream, its event recorded
+        // after it (what the lane, or a drop, waits for).
+        if let Some(side) = self.side.as_mut().filter(|_| part % 2 == 1) {
+            let stream = side.stream.as_ref().expect("until dropped");
+            side.pending = true;
+            // SAFETY: as below.
+            unsafe { c.enqueue_gather_part(stream, None, descs, n as u32, self.bytes, self.rows) }?;
+            c.enqueue_end(stream, None, &side.event)?;
+            if self.launched < self.inner.n {
+                return Ok(());
+            }
+            return self.join(lane);
+        }
         let stream = lane
             .0
             .as_ref()
@@ -773,23 +812,57 @@ impl PartedRestore {
         // SAFETY: places at..at + n of the table (live in `inner` until
         // the event completes) were written above; the copies are the
         // caller's contract.
-        unsafe {
-            self.inner.c.enqueue_gather(
-                stream,
-                None,
-                self.table_dev + (FLAG_BYTES + DESCRIPTOR_BYTES * at) as u64,
-                n as u32,
-                self.bytes,
-                self.rows,
-                self.signal.filter(|_| self.launched == self.inner.n),
-                &self.inner.event,
-            )
+        unsafe { c.enqueue_gather_part(stream, None, descs, n as u32, self.bytes, self.rows) }?;
+        match self.launched == self.inner.n {
+            true => self.join(lane),
+            false => c.enqueue_end(stream, None, &self.inner.event),
         }
+    }
+
+    /// Makes the lane wait for the parts on the second stream, then
+    /// records the ticket's end on it (the done word once all n copies
+    /// are launched, and the event): after this, the event covers every
+    /// part launched. `launch` does it after the last part; a caller that
+    /// stops early (the rest goes elsewhere) does it before handing the
+    /// event on.
+    pub fn join(&mut self, lane: &mut LaneGuard<'_>) -> Result<(), String> {
+        let c = self.inner.c;
+        let stream = lane
+            .0
+            .as_ref()
+            .expect("restore_parts gave the lane a stream");
+        if let Some(side) = self.side.as_mut().filter(|s| s.pending) {
+            c.stream_wait_event(stream, &side.event)?;
+            side.pending = false;
+        }
+        let signal = self.signal.filter(|_| self.launched == self.inner.n);
+        c.enqueue_end(stream, signal, &self.inner.event)
     }
 
     /// Waits for every part launched and gives the resources back.
     pub fn finish(self) -> Result<(), String> {
         self.inner.finish()
+    }
+}
+
+/// A parted restore's second stream and its event, recorded after each
+/// part launched on it. Dropped with parts the lane was never told to
+/// wait for (a restore given up), it waits for them; the stream goes back
+/// to the pool.
+struct Side {
+    c: &'static Cuda,
+    stream: Option<Stream>,
+    event: PooledEvent,
+    pending: bool,
+    pool: Arc<Pool>,
+}
+
+impl Drop for Side {
+    fn drop(&mut self) {
+        if self.pending {
+            let _ = self.c.wait_event(&self.event);
+        }
+        self.pool.streams.lock().extend(self.stream.take());
     }
 }
 
