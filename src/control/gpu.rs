@@ -222,7 +222,9 @@ fn part_first() -> Option<usize> {
 /// keeps them all on the fd's lane. `tools/parts_probe.cu` on an H100
 /// (2026-12-07): one 16 MiB restore in admission's parts landed in 353 /
 /// 347 µs over two streams against 370 / 358 µs on one (4 KiB / 16 KiB
-/// groups); not yet run in kvfs on a GPU.
+/// groups), but in kvfs, same-run A/Bs on two H100 hosts (2026-12-07,
+/// twelfth session) found one 4 KiB × 4096 ticket at a time through the
+/// ring no faster (0.46× / 0.49× against 0.52× / 0.63× on one stream).
 fn part_streams() -> usize {
     static STREAMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *STREAMS.get_or_init(
