@@ -792,30 +792,33 @@ impl PartedRestore {
         self.parts += 1;
         let descs = self.table_dev + (FLAG_BYTES + DESCRIPTOR_BYTES * at) as u64;
         let c = self.inner.c;
-        // Every second part on the second stream, its event recorded
-        // after it (what the lane, or a drop, waits for).
-        if let Some(side) = self.side.as_mut().filter(|_| part % 2 == 1) {
-            let stream = side.stream.as_ref().expect("until dropped");
-            side.pending = true;
-            // SAFETY: as below.
-            unsafe { c.enqueue_gather_part(stream, None, descs, n as u32, self.bytes, self.rows) }?;
-            c.enqueue_end(stream, None, &side.event)?;
-            if self.launched < self.inner.n {
-                return Ok(());
-            }
-            return self.join(lane);
-        }
-        let stream = lane
+        let lane_stream = lane
             .0
             .as_ref()
             .expect("restore_parts gave the lane a stream");
+        // Every second part on the second stream, its event recorded
+        // after it (what the lane, or a drop, waits for); on the lane, the
+        // ticket's event after each part but the last (`join` ends it).
+        let last = self.launched == self.inner.n;
+        let (stream, event): (&Stream, Option<&IpcEvent>) =
+            match self.side.as_mut().filter(|_| part % 2 == 1) {
+                Some(side) => {
+                    side.pending = true;
+                    let stream = side.stream.as_ref().expect("until dropped");
+                    (stream, Some(&side.event))
+                }
+                None => (lane_stream, (!last).then_some(&self.inner.event)),
+            };
         // SAFETY: places at..at + n of the table (live in `inner` until
         // the event completes) were written above; the copies are the
         // caller's contract.
         unsafe { c.enqueue_gather_part(stream, None, descs, n as u32, self.bytes, self.rows) }?;
-        match self.launched == self.inner.n {
+        if let Some(event) = event {
+            c.enqueue_end(stream, None, event)?;
+        }
+        match last {
             true => self.join(lane),
-            false => c.enqueue_end(stream, None, &self.inner.event),
+            false => Ok(()),
         }
     }
 
