@@ -269,9 +269,13 @@ impl Pool {
         self.free_later(Box::new(out));
     }
 
+    fn give_stream(&self, stream: Option<Stream>) {
+        self.streams.lock().extend(stream);
+    }
+
     fn give(&self, table: HostBuf, stream: Option<Stream>, staging: Option<HostBuf>) {
         self.give_host(&self.tables, table);
-        self.streams.lock().extend(stream);
+        self.give_stream(stream);
         if let Some(staging) = staging {
             self.give_host(&self.staging, staging);
         }

@@ -96,9 +96,10 @@ pub struct PartedRestore {
 }
 
 impl PartedRestore {
-    /// The ticket's event, recorded after each part: after `finish`'s
-    /// wait, or a stream's wait on it once the last part is launched,
-    /// every part launched is done.
+    /// The ticket's event, recorded on the lane after each part there
+    /// and at `join`: after `finish`'s wait, or a stream's wait on it once
+    /// the last part is launched (or `join` called), every part launched
+    /// is done.
     pub fn event(&self) -> &Arc<PooledEvent> {
         &self.inner.event
     }
@@ -208,6 +209,6 @@ impl Drop for Side {
         if self.pending {
             let _ = self.c.wait_event(&self.event);
         }
-        self.pool.streams.lock().extend(self.stream.take());
+        self.pool.give_stream(self.stream.take());
     }
 }
