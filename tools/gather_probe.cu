@@ -23,9 +23,8 @@
 #include <string>
 #include <fstream>
 #include <sys/mman.h>
-#include <cuda_runtime.h>
+#include "probe_common.cuh"
 #include "../src/gpu/kernels/gather.cu"
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
 int main(int argc, char** argv) {
   size_t chunk = 256ull << 20; int nchunks = argc > 1 ? atoi(argv[1]) : 48;  // 12 GiB
   std::vector<char*> ch(nchunks);
@@ -50,9 +49,7 @@ int main(int argc, char** argv) {
   char* big; CK(cudaMalloc(&big, 256ull << 20));
   cudaStream_t st[4]; for (auto& s : st) CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t a, b; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
-  auto base = [&]() { float best = 0; for (int r = 0; r < 5; r++) { CK(cudaEventRecord(a, st[0]));
-      CK(cudaMemcpyAsync(big, ch[0], 256ull << 20, cudaMemcpyHostToDevice, st[0])); CK(cudaEventRecord(b, st[0]));
-      CK(cudaEventSynchronize(b)); float ms; CK(cudaEventElapsedTime(&ms, a, b)); best = std::max(best, (float)(256.0 * (1 << 20) / ms / 1e6)); } return best; };
+  auto base = [&]() { return h2d_baseline(big, ch[0], st[0]); };
   printf("baseline H2D 256 MiB: %.2f GB/s\n", base());
   std::mt19937_64 rng(1);
   const int T = 64;  // tickets per trial

@@ -15,9 +15,8 @@
 #include <algorithm>
 #include <random>
 #include <chrono>
-#include <cuda_runtime.h>
+#include "probe_common.cuh"
 #include "../src/gpu/kernels/gather.cu"
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
 using clk = std::chrono::steady_clock;
 int main() {
   size_t chunk = 256ull << 20; int nchunks = 24;
@@ -26,8 +25,8 @@ int main() {
   size_t tick = 16ull << 20; char* dst; CK(cudaMalloc(&dst, tick));
   char* big; CK(cudaMalloc(&big, 256ull << 20));
   cudaStream_t st[2]; for (auto& s : st) CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaEvent_t a, b, j; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b)); CK(cudaEventCreateWithFlags(&j, cudaEventDisableTiming));
-  float best = 0; for (int r = 0; r < 5; r++) { CK(cudaEventRecord(a, st[0])); CK(cudaMemcpyAsync(big, ch[0], 256ull << 20, cudaMemcpyHostToDevice, st[0])); CK(cudaEventRecord(b, st[0])); CK(cudaEventSynchronize(b)); float ms; CK(cudaEventElapsedTime(&ms, a, b)); best = std::max(best, (float)(256.0 * (1 << 20) / ms / 1e6)); }
+  cudaEvent_t b, j; CK(cudaEventCreate(&b)); CK(cudaEventCreateWithFlags(&j, cudaEventDisableTiming));
+  float best = h2d_baseline(big, ch[0], st[0]);
   printf("baseline H2D 256 MiB: %.2f GB/s (16 MiB at that rate: %.0f us)\n", best, tick / best / 1e3);
   std::mt19937_64 rng(1);
   for (size_t gb : {4096ul, 16384ul}) {

@@ -22,9 +22,8 @@
 #include <vector>
 #include <algorithm>
 #include <random>
-#include <cuda_runtime.h>
+#include "probe_common.cuh"
 #include "../src/gpu/kernels/gather.cu"
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
 
 // The gather kernel with U loads in flight a thread (kvfs's is U = 4).
 template <int U>
@@ -113,9 +112,7 @@ int main(int argc, char** argv) {
   char* big; CK(cudaMalloc(&big, 256ull << 20));
   cudaStream_t st[4]; for (auto& s : st) CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t a, b; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
-  auto base = [&]() { float best = 0; for (int r = 0; r < 5; r++) { CK(cudaEventRecord(a, st[0]));
-      CK(cudaMemcpyAsync(big, ch[0], 256ull << 20, cudaMemcpyHostToDevice, st[0])); CK(cudaEventRecord(b, st[0]));
-      CK(cudaEventSynchronize(b)); float ms; CK(cudaEventElapsedTime(&ms, a, b)); best = std::max(best, (float)(256.0 * (1 << 20) / ms / 1e6)); } return best; };
+  auto base = [&]() { return h2d_baseline(big, ch[0], st[0]); };
   printf("%d SMs; baseline H2D 256 MiB: %.2f GB/s\n", sms, base());
   std::mt19937_64 rng(1);
   const int T = 64;

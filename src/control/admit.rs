@@ -186,7 +186,6 @@ impl Session {
     }
 
     /// All-or-nothing admission of RESTORE/STORE entries.
-    /// All-or-nothing admission of RESTORE/STORE entries.
     pub(super) fn admit_io(&self, cmd: Command, entries: &[IoEntry]) -> Result<Batch, Rejection> {
         let layout = *self.ctl.cascade.layout();
         let gb = layout.group_bytes();
