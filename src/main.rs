@@ -37,7 +37,7 @@ Environment (read by the daemon when it starts; each default is the measured cho
   KVFS_GPU_COPY=auto|engines|kernel     restores of T1-resident groups: copy engines where slots join into runs, else the gather kernel (auto); or force one
   KVFS_GPU_ROWS=pieces                  strided GPU entries as one copy a piece, not the rows kernel
   KVFS_GPU_SORT=off|auto|on             GPU copies in the order of their host addresses (auto: copies under 16 KiB); default off
-  KVFS_RESTORE_PART_GROUPS=auto|on|N|off  GPU restores pinned on admission launched in parts (auto: one ticket at a time)
+  KVFS_RESTORE_PART_GROUPS=auto|on|N|off  GPU restores pinned on admission launched in parts (auto: one ticket at a time; over 2048 groups, only with no other ticket on the fd)
   KVFS_RESTORE_PART_FIRST=N|0           those parts growing from a first of N groups (default 64), each next twice the last; 0: equal parts
   KVFS_RESTORE_PART_STREAMS=1|2         those parts all on the client's lane (default) or alternating over two streams
   KVFS_RESTORE_LATER_LANE=auto|on|off   big GPU restores on the client's ordered lane (auto: those sent to the executor by size alone)

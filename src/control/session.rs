@@ -614,6 +614,13 @@ impl Session {
         st.free_done_word(ticket);
     }
 
+    /// Whether `ticket` is the only ticket this fd holds (none other
+    /// running, none ended and not yet collected).
+    pub(super) fn holds_only(&self, ticket: u64) -> bool {
+        let st = self.st.lock();
+        st.tickets.len() == 1 && st.tickets.contains_key(&ticket)
+    }
+
     pub(super) fn new_ticket(&self) -> u64 {
         let mut st = self.st.lock();
         st.next_ticket += 1;
