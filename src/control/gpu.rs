@@ -393,7 +393,8 @@ impl Session {
         let groups: Vec<GroupIndex> = work.items.iter().map(|it| it.g).collect();
         let lane = self.lane(&gpu);
         let busy = lane.busy();
-        // Whether the fd holds other tickets matters to big batches only.
+        // Whether the fd holds other tickets (a look under the session's
+        // lock) matters only to a big batch on an idle lane.
         let alone = n <= PIN_ON_ADMISSION_MAX || busy > 0 || self.holds_only(ticket);
         let parts = restore_parts(n, busy, alone);
         if parts > 1 {
