@@ -26,6 +26,7 @@ mod writeback;
 pub use claim::SlotWrites;
 pub use meta::{GroupMeta, META_RECORD_BYTES, MetaTable};
 pub use policy::{Lru, Policy, PolicyKind, Sieve};
+pub use read::GroupSink;
 pub use slots::DevicePins;
 pub use store::{Backing, BackingConfig, StoreError};
 

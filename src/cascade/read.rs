@@ -206,16 +206,31 @@ impl Cascade {
         items: &mut [(GroupIndex, &mut [u8])],
         wait: bool,
     ) -> Vec<Result<Residence, CascadeError>> {
+        let groups: Vec<GroupIndex> = items.iter().map(|(g, _)| *g).collect();
+        let mut outs: Vec<&mut [u8]> = items.iter_mut().map(|(_, out)| &mut **out).collect();
+        self.read_groups_to(&groups, &mut outs[..], wait)
+    }
+
+    /// `read_groups` of `groups` into `sink` (group `i`'s bytes go to
+    /// `sink.put(i, ..)`, each once, unless its read fails), so a caller
+    /// can place them where they belong (rows, say) with no copy between.
+    /// Without `wait`, as `read_groups_nowait`.
+    pub fn read_groups_to(
+        &self,
+        groups: &[GroupIndex],
+        sink: &mut (impl GroupSink + ?Sized),
+        wait: bool,
+    ) -> Vec<Result<Residence, CascadeError>> {
         let mut results: Vec<Option<Result<Residence, CascadeError>>> =
-            (0..items.len()).map(|_| None).collect();
+            (0..groups.len()).map(|_| None).collect();
         let mut misses = Vec::new();
-        let valid: Vec<GroupIndex> = items
+        let valid: Vec<GroupIndex> = groups
             .iter()
             .enumerate()
-            .filter_map(|(i, (g, out))| {
+            .filter_map(|(i, g)| {
                 match self
                     .check_index(*g)
-                    .and_then(|_| self.check_range(0, out.len()))
+                    .and_then(|_| self.check_range(0, sink.len(i)))
                 {
                     Ok(()) => Some(*g),
                     Err(e) => {
@@ -226,7 +241,7 @@ impl Cascade {
             })
             .collect();
         let mut pins = self.pin_resident_many(&valid).into_iter();
-        for (i, (g, out)) in items.iter_mut().enumerate() {
+        for (i, g) in groups.iter().enumerate() {
             if results[i].is_some() {
                 continue;
             }
@@ -242,17 +257,23 @@ impl Cascade {
                     }
                     // SAFETY: we hold the slot's read lock.
                     let bytes = unsafe { self.slot_bytes(pin.slot) };
-                    out.copy_from_slice(&bytes[..out.len()]);
+                    let len = sink.len(i);
+                    sink.put(i, &bytes[..len]);
                     self.counters.hits.fetch_add(1, Ordering::Relaxed);
                     self.counters
                         .t1_read_bytes
-                        .fetch_add(out.len() as u64, Ordering::Relaxed);
+                        .fetch_add(len as u64, Ordering::Relaxed);
                     results[i] = Some(Ok(Residence::T1));
                 }
                 None => misses.push(i),
             }
         }
         let stride = self.layout.stride() as usize;
+        // What a never-written group reads as.
+        let zeros = match misses.is_empty() {
+            true => Vec::new(),
+            false => vec![0u8; self.layout.group_bytes() as usize],
+        };
         for chunk in misses.chunks(SYNC_BATCH) {
             // Plain, never pinned (see take_staging).
             let mut staging = match HostBuf::alloc_plain(stride * chunk.len()) {
@@ -270,7 +291,7 @@ impl Cascade {
             // Stripes in order (as sync_all takes them), so no deadlock.
             let mut stripe_ids: Vec<usize> = chunk
                 .iter()
-                .map(|&i| (items[i].0.0 % STRIPES as u64) as usize)
+                .map(|&i| (groups[i].0 % STRIPES as u64) as usize)
                 .collect();
             stripe_ids.sort_unstable();
             stripe_ids.dedup();
@@ -281,11 +302,11 @@ impl Cascade {
                 {
                     let st = self.state.lock();
                     for (k, &i) in chunk.iter().enumerate() {
-                        let g = items[i].0;
+                        let g = groups[i];
                         if st.map.contains_key(&g) {
                             retry.push(i); // installed meanwhile: T1 is newer
                         } else if !self.meta.get(g.0).written {
-                            items[i].1.fill(0);
+                            sink.put(i, &zeros[..sink.len(i)]);
                             self.counters.empty_reads.fetch_add(1, Ordering::Relaxed);
                             results[i] = Some(Ok(Residence::Empty));
                         } else {
@@ -297,19 +318,19 @@ impl Cascade {
                 let mut by_k: Vec<Option<&mut [u8]>> = bufs.map(Some).collect();
                 let metas: Vec<GroupMeta> = to_read
                     .iter()
-                    .map(|&(_, i)| self.meta.get(items[i].0.0))
+                    .map(|&(_, i)| self.meta.get(groups[i].0))
                     .collect();
                 let mut ops: Vec<crate::tier::ReadOp<'_>> = to_read
                     .iter()
                     .zip(&metas)
                     .map(|(&(k, i), m)| crate::tier::ReadOp {
-                        index: copy_index(items[i].0, m.cur),
+                        index: copy_index(groups[i], m.cur),
                         buf: by_k[k].take().expect("one buffer per miss"),
                     })
                     .collect();
                 let rs = self.tier.read_batch(&mut ops);
                 for (((op, r), &(_, i)), m) in ops.iter_mut().zip(rs).zip(&to_read).zip(&metas) {
-                    let g = items[i].0;
+                    let g = groups[i];
                     results[i] = Some(match r {
                         Err(e) => Err(e.into()),
                         Ok(()) => {
@@ -318,8 +339,7 @@ impl Cascade {
                                 .fetch_add(stride as u64, Ordering::Relaxed);
                             let checked = self.verify_backing(g, m, op.buf);
                             if checked.is_ok() {
-                                let out = &mut *items[i].1;
-                                out.copy_from_slice(&op.buf[..out.len()]);
+                                sink.put(i, &op.buf[..sink.len(i)]);
                                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
                             }
                             checked
@@ -328,11 +348,15 @@ impl Cascade {
                 }
             }
             for i in retry {
-                let (g, out) = &mut items[i];
-                results[i] = Some(match wait {
-                    true => self.read(*g, 0, out),
-                    false => self.read_with(*g, 0, out, false),
-                });
+                let mut out = vec![0u8; sink.len(i)];
+                let r = match wait {
+                    true => self.read(groups[i], 0, &mut out),
+                    false => self.read_with(groups[i], 0, &mut out, false),
+                };
+                if r.is_ok() {
+                    sink.put(i, &out);
+                }
+                results[i] = Some(r);
             }
         }
         results
@@ -378,5 +402,24 @@ impl Cascade {
                 }
             }
         }
+    }
+}
+
+/// Where `Cascade::read_groups_to` puts the groups it reads.
+pub trait GroupSink {
+    /// The bytes wanted of group `i` (its first `len`; at most a group).
+    fn len(&self, i: usize) -> usize;
+    /// Group `i`'s bytes (`len(i)` of them), read and checked.
+    fn put(&mut self, i: usize, bytes: &[u8]);
+}
+
+/// A buffer an item: each group's bytes copied into its own.
+impl GroupSink for [&mut [u8]] {
+    fn len(&self, i: usize) -> usize {
+        self[i].len()
+    }
+
+    fn put(&mut self, i: usize, bytes: &[u8]) {
+        self[i].copy_from_slice(bytes);
     }
 }

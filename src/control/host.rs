@@ -14,29 +14,10 @@ use super::exec::Job;
 use super::session::Session;
 use super::wire::{self, Command, IoEntry, NO_ENTRY, RawKey, Reply, StateEntry};
 use super::{Rejection, reject};
-use crate::cascade::{CascadeError, Residence};
+use crate::cascade::{CascadeError, GroupSink, Residence};
 use crate::geometry::GroupIndex;
-use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// The most bytes of whole groups an executor thread keeps between
-/// strided restores (one 16 MiB ticket's).
-const SPREAD_KEEP: usize = 16 << 20;
-
-thread_local! {
-    /// A strided restore's whole groups before they are spread into rows,
-    /// kept by each executor thread between jobs (up to SPREAD_KEEP), not
-    /// a fresh zeroed one a ticket (a memset, or page faults: a sixth of
-    /// the daemon's time in such restores, perf). One 16 MiB ticket of 16
-    /// KiB groups as rows of 256 B at a time, CPU machine, two alternating
-    /// A/B rounds, against contiguous groups on the same mount: 0.31× and
-    /// 0.34× against 0.28× and 0.29× before (3.1–3.7 GB/s, 2.8–3.6 before).
-    /// Every group read whole overwrites its part (a never-written one
-    /// with zeros), and a failed one is not spread: nothing left from an
-    /// earlier job reaches a region.
-    static SPREAD: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-}
 
 impl Session {
     /// Admits a RESTORE or STORE and starts it; the reply carries its ticket.
@@ -81,61 +62,20 @@ impl Session {
         Ok(Reply::ok(cmd, ticket))
     }
 
-    /// The job of a RESTORE into host regions.
+    /// The job of a RESTORE into host regions: each group read straight
+    /// into its place, whole or row by row (`Places`).
     fn host_restore(self: &Arc<Session>, work: Batch, ticket: u64, started: Instant) -> Job {
         let s = self.clone();
         Box::new(move || {
-            let gb = s.ctl.cascade.layout().group_bytes() as usize;
-            // Strided groups are read whole into a buffer, then spread.
-            let strided = work.items.iter().filter(|it| it.row_bytes != 0).count();
-            let need = strided * gb;
-            let mut spread = SPREAD.take();
-            if spread.len() < need {
-                spread = vec![0u8; need];
-            }
-            let mut parts = spread[..need].chunks_mut(gb.max(1));
-            let mut items: Vec<(GroupIndex, &mut [u8])> = work
-                .items
-                .iter()
-                .map(|it| match it.row_bytes {
-                    // SAFETY: admission checked each range is inside its
-                    // region and that no two ranges overlap; `work` keeps
-                    // the regions mapped until the job ends.
-                    0 => (it.g, unsafe { work.region(it).range_mut(it.offset, gb) }),
-                    _ => (it.g, parts.next().expect("one part per strided item")),
-                })
-                .collect();
+            let gb = s.ctl.cascade.layout().group_bytes();
+            let groups: Vec<GroupIndex> = work.items.iter().map(|it| it.g).collect();
             let results: Vec<Result<(), CascadeError>> = s
                 .ctl
                 .cascade
-                .read_groups(&mut items)
+                .read_groups_to(&groups, &mut Places { work: &work, gb }, true)
                 .into_iter()
                 .map(|r| r.map(|_| ()))
                 .collect();
-            drop(items);
-            let mut parts = spread[..need].chunks(gb.max(1));
-            for (it, r) in work.items.iter().zip(&results) {
-                if it.row_bytes == 0 {
-                    continue;
-                }
-                let part = parts.next().expect("one part per strided item");
-                if r.is_err() {
-                    continue;
-                }
-                let (row, pitch, _) = it.rows(gb as u64);
-                for (k, src) in part.chunks(row as usize).enumerate() {
-                    // SAFETY: admission checked every row is inside the
-                    // region and no two entries' rows overlap.
-                    unsafe {
-                        work.region(it)
-                            .range_mut(it.offset + k as u64 * pitch, row as usize)
-                    }
-                    .copy_from_slice(src);
-                }
-            }
-            if spread.len() <= SPREAD_KEEP {
-                SPREAD.set(spread);
-            }
             let results = work.mark_damaged(results);
             s.complete(Command::Restore, ticket, started, results);
         })
@@ -223,5 +163,32 @@ impl Session {
             }),
         );
         Ok(Reply::ok(Command::Prefetch, ticket))
+    }
+}
+
+/// Where a host RESTORE's groups go: item `i`'s range of its region,
+/// whole, or its rows (strided entries), copied straight out of the T1
+/// slot or the read buffer. A group whose read fails is not written.
+struct Places<'a> {
+    work: &'a Batch,
+    gb: u64,
+}
+
+impl GroupSink for Places<'_> {
+    fn len(&self, _: usize) -> usize {
+        self.gb as usize
+    }
+
+    fn put(&mut self, i: usize, bytes: &[u8]) {
+        let it = &self.work.items[i];
+        let region = self.work.region(it);
+        let (row, pitch, _) = it.rows(self.gb);
+        for (k, src) in bytes.chunks(row as usize).enumerate() {
+            // SAFETY: admission checked every row is inside its region
+            // and that no two entries' bytes overlap; `work` keeps the
+            // regions mapped until the job ends.
+            unsafe { region.range_mut(it.offset + k as u64 * pitch, row as usize) }
+                .copy_from_slice(src);
+        }
     }
 }
