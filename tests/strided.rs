@@ -65,15 +65,22 @@ fn engine_layer(seed: u64) -> (Mount, Client, ShmRegion, u32) {
     (m, c, src, rs)
 }
 
+/// `engine_layer`, stored whole through strided entries: the mount, the
+/// client, the region's length and id, and the layout's bytes.
+fn stored_layer(seed: u64) -> (Mount, Client, u64, u32, Vec<u8>) {
+    let (m, c, src, rs) = engine_layer(seed);
+    let layout = src.read(0, src.len as usize);
+    let t = c.store_strided(&all(rs)).unwrap();
+    c.wait(t, None).unwrap().ok().unwrap();
+    (m, c, src.len, rs, layout)
+}
+
 #[test]
 fn interleaved_k_and_v_round_trip_byte_for_byte() {
     if !can_mount() {
         return;
     }
-    let (m, c, src, rs) = engine_layer(7);
-    let (len, layout) = (src.len, src.read(0, src.len as usize));
-    let t = c.store_strided(&all(rs)).unwrap();
-    c.wait(t, None).unwrap().ok().unwrap();
+    let (m, c, len, rs, layout) = stored_layer(7);
     // Each group file holds its rows, gathered: kvfs keeps groups contiguous.
     for e in all(rs) {
         let got = fs::read(m.p(&e.key.to_string())).unwrap();
@@ -257,10 +264,7 @@ fn a_strided_restore_of_unwritten_groups_writes_zeros() {
     if !can_mount() {
         return;
     }
-    let (_m, c, src, rs) = engine_layer(11);
-    let (len, layout) = (src.len, src.read(0, src.len as usize));
-    let t = c.store_strided(&all(rs)).unwrap();
-    c.wait(t, None).unwrap().ok().unwrap();
+    let (_m, c, len, _, layout) = stored_layer(11);
     let dst = ShmRegion::new(len);
     let rd = c.register_host_region(&dst.path(), dst.len).unwrap();
     // Layer 1 was never written: the same places, its keys.
