@@ -20,7 +20,7 @@ use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("{message} (errno {errno}{})", entry.map(|e| format!(", entry {e}")).unwrap_or_default())]
+    #[error("{message} (errno {errno}{})", entry_note(message, *entry))]
     Refused {
         errno: i32,
         entry: Option<u32>,
@@ -30,6 +30,15 @@ pub enum ClientError {
     Io(#[from] std::io::Error),
     #[error("bad reply from kvfs: {0}")]
     Protocol(String),
+}
+
+/// ", entry N" for a refusal naming entry N, unless its message already
+/// begins with "entry N:" (the daemon's messages about one entry do).
+fn entry_note(message: &str, entry: Option<u32>) -> String {
+    match entry {
+        Some(e) if !message.starts_with(&format!("entry {e}:")) => format!(", entry {e}"),
+        _ => String::new(),
+    }
 }
 
 impl ClientError {
@@ -623,5 +632,29 @@ impl RingClient {
             out.extend(self.peek(max - out.len()));
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ClientError;
+
+    #[test]
+    fn a_refusal_names_its_entry_once() {
+        let refused = |message: &str, entry| ClientError::Refused {
+            errno: libc::ERANGE,
+            entry,
+            message: message.to_string(),
+        };
+        let named = refused("entry 3: layer 99 is out of range", Some(3));
+        assert_eq!(
+            named.to_string(),
+            "entry 3: layer 99 is out of range (errno 34)"
+        );
+        let unnamed = refused("region 1 is busy", Some(2));
+        assert_eq!(unnamed.to_string(), "region 1 is busy (errno 34, entry 2)");
+        let other = refused("entry 30: x", Some(3));
+        assert_eq!(other.to_string(), "entry 30: x (errno 34, entry 3)");
+        assert_eq!(refused("no entry", None).to_string(), "no entry (errno 34)");
     }
 }

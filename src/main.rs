@@ -492,11 +492,11 @@ fn ctl(mount: &std::path::Path, what: CtlCmd) -> Result<()> {
                     kvfs::control::wire::STATE_BACKING => "backing",
                     _ => "empty",
                 };
-                let crc = if s.state == kvfs::control::wire::STATE_EMPTY {
-                    "-".to_string()
-                } else {
-                    format!("{:08x}", s.crc)
-                };
+                // "-" where the group was never written back (empty, or
+                // only in T1 so far).
+                let crc = s
+                    .backing_crc
+                    .map_or("-".to_string(), |c| format!("{c:08x}"));
                 println!(
                     "{k}\t{state}\tdirty={}\tbacking_crc32c={crc}",
                     s.dirty as u8

@@ -479,9 +479,24 @@ fn ctl_command_queries_and_prefetches() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Neither was ever written back: no backing checksum to show.
     assert!(
-        t.contains("L1/B2/H0/V\tt1\tdirty=1") && t.contains("L0/B0/H0/K\tempty\tdirty=0"),
+        t.contains("L1/B2/H0/V\tt1\tdirty=1\tbacking_crc32c=-\n")
+            && t.contains("L0/B0/H0/K\tempty\tdirty=0\tbacking_crc32c=-\n"),
         "{t}"
+    );
+    assert!(kvfs().arg("sync").arg(&m.mp).status().unwrap().success());
+    let out = kvfs()
+        .args(["ctl"])
+        .arg(&m.mp)
+        .args(["query", "L1/B2/H0/V"])
+        .output()
+        .unwrap();
+    let crc = format!("{:08x}", crc32c::crc32c(&pattern(1, GB)));
+    let t = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        t,
+        format!("L1/B2/H0/V\tt1\tdirty=0\tbacking_crc32c={crc}\n")
     );
     let out = kvfs()
         .args(["ctl"])

@@ -140,7 +140,7 @@ impl Session {
                     Residence::T1 => wire::STATE_T1,
                 },
                 dirty: q.dirty,
-                crc: q.backing_crc.unwrap_or(0),
+                backing_crc: q.backing_crc,
             });
         }
         Ok(r)

@@ -20,7 +20,7 @@ pub const HEADER_BYTES: usize = 32;
 pub const IO_ENTRY_BYTES: usize = 32;
 /// QUERY/PREFETCH entry: block u64, layer u32, head u32, kind u32, pad u32.
 pub const KEY_ENTRY_BYTES: usize = 24;
-/// QUERY reply entry: state u8, dirty u8, pad u16, crc32c u32.
+/// QUERY reply entry: state u8, dirty u8, flags u16 (STATE_WRITTEN), crc32c u32.
 pub const STATE_ENTRY_BYTES: usize = 8;
 /// Most entries one request may carry: 1 Mi entries is 32 MiB of request,
 /// far beyond any batch an engine sends, small enough to bound memory.
@@ -266,12 +266,16 @@ impl RawKey {
 pub const STATE_EMPTY: u8 = 0;
 pub const STATE_BACKING: u8 = 1;
 pub const STATE_T1: u8 = 2;
+/// QUERY state entry flag: the group was written back at least once, and
+/// crc32c is its bytes' as last written back (0 and unset if never).
+pub const STATE_WRITTEN: u16 = 1;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StateEntry {
     pub state: u8,
     pub dirty: bool,
-    pub crc: u32,
+    /// crc32c of the bytes last written back; None if never written back.
+    pub backing_crc: Option<u32>,
 }
 
 /// A decoded request.
@@ -715,8 +719,13 @@ impl Reply {
         for s in &self.states {
             out.push(s.state);
             out.push(s.dirty as u8);
-            out.extend_from_slice(&0u16.to_le_bytes());
-            out.extend_from_slice(&s.crc.to_le_bytes());
+            let flags = if s.backing_crc.is_some() {
+                STATE_WRITTEN
+            } else {
+                0
+            };
+            out.extend_from_slice(&flags.to_le_bytes());
+            out.extend_from_slice(&s.backing_crc.unwrap_or(0).to_le_bytes());
         }
         out.extend_from_slice(&(self.message.len() as u32).to_le_bytes());
         out.extend_from_slice(self.message.as_bytes());
@@ -751,7 +760,7 @@ impl Reply {
             .map(|c| StateEntry {
                 state: c[0],
                 dirty: c[1] != 0,
-                crc: u32_at(c, 4),
+                backing_crc: (u16_at(c, 2) & STATE_WRITTEN != 0).then(|| u32_at(c, 4)),
             })
             .collect();
         Ok((

@@ -137,9 +137,9 @@ proptest! {
 
     #[test]
     fn replies_round_trip(status in any::<u32>(), value in any::<u64>(), failed in any::<u32>(), entry in any::<u32>(),
-                          states in proptest::collection::vec((0u8..3, any::<bool>(), any::<u32>()), 0..10), message in ".{0,40}") {
+                          states in proptest::collection::vec((0u8..3, any::<bool>(), any::<Option<u32>>()), 0..10), message in ".{0,40}") {
         let r = Reply { command: 6, status, value, failed, entry,
-            states: states.into_iter().map(|(state, dirty, crc)| StateEntry { state, dirty, crc }).collect(), message };
+            states: states.into_iter().map(|(state, dirty, backing_crc)| StateEntry { state, dirty, backing_crc }).collect(), message };
         let mut b = r.encode();
         let n = b.len();
         b.extend_from_slice(&[0xaa; 7]);

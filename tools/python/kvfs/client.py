@@ -113,7 +113,9 @@ class KvfsError(OSError):
         self.message = message
 
     def __str__(self):
-        where = "" if self.entry is None else f" (entry {self.entry})"
+        # The daemon's messages about one entry begin "entry N:" already.
+        named = self.entry is None or self.message.startswith(f"entry {self.entry}:")
+        where = "" if named else f" (entry {self.entry})"
         return f"[errno {self.errno}] {self.message}{where}"
 
 

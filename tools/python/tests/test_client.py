@@ -222,6 +222,8 @@ class ClientTest(unittest.TestCase):
         with self.assertRaises(KvfsError) as e:
             self.kv.restore(bad)
         self.assertEqual((e.exception.errno, e.exception.entry), (errno.ERANGE, 700))
+        # Its text names the entry once ("entry 700: L9/B0/H0/K: …").
+        self.assertEqual(str(e.exception).count("entry 700"), 1, str(e.exception))
         self.kv.unregister(rs)
         self.kv.unregister(rd)
 
