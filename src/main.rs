@@ -97,7 +97,7 @@ enum Cmd {
 enum CtlCmd {
     /// Protocol version and geometry.
     Hello,
-    /// Where each group is (t1, backing, empty), whether it is dirty, its crc32c.
+    /// Where each group is (t1, backing, empty), whether it is dirty, and the crc32c of its bytes as last written back ("-" if never).
     Query {
         /// Group names, e.g. L3/B17/H0/K.
         #[arg(required = true)]
@@ -105,6 +105,7 @@ enum CtlCmd {
     },
     /// Bring groups into T1 and wait until they are there.
     Prefetch {
+        /// Group names, e.g. L3/B17/H0/K.
         #[arg(required = true)]
         groups: Vec<String>,
     },
