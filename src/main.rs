@@ -415,6 +415,7 @@ fn run(cli: Cli) -> Result<()> {
                         timeout: std::time::Duration::from_secs(5),
                         replicas: None,
                         allow_evict: true,
+                        ..kvfs::tier::RemoteConfig::new(Vec::new())
                     },
                     layout: kvfs::bench::backing::bench_layout(
                         group_size,

@@ -22,11 +22,9 @@ fn layout() -> GroupLayout {
 
 fn cfg(urls: Vec<String>) -> RemoteConfig {
     RemoteConfig {
-        urls,
         qd: 16,
         timeout: Duration::from_millis(500),
-        replicas: None,
-        allow_evict: false,
+        ..RemoteConfig::new(urls)
     }
 }
 
@@ -521,7 +519,7 @@ fn tls_url() {
     if !testing::available() {
         return;
     }
-    let Some(s) = RedisServer::start_tls() else {
+    let Some(s) = RedisServer::start_tls(false) else {
         return;
     };
     let url = s.tls_url().unwrap();
@@ -529,6 +527,113 @@ fn tls_url() {
     assert!(t.describe().contains("rediss://"), "{}", t.describe());
     assert!(write(&t, &[0, 1, 2], 1).iter().all(|r| r.is_ok()));
     assert!(read(&t, &[2, 1, 0], 1).into_iter().all(|r| r.unwrap()));
+}
+
+/// `connect`'s error (it must fail).
+fn refused(c: &RemoteConfig) -> String {
+    match RedisTier::connect(layout(), UUID, c) {
+        Ok(_) => panic!("connected to {:?}", c.urls),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn tls_checked_against_a_private_ca() {
+    if !testing::available() {
+        return;
+    }
+    let Some(s) = RedisServer::start_tls(false) else {
+        return;
+    };
+    let url = s.tls_url_checked().unwrap();
+    let pki = s.tls_pki().unwrap();
+    // The web PKI roots do not know the test CA.
+    let e = refused(&cfg(vec![url.clone()]));
+    assert!(
+        e.contains("cannot reach redis") && e.contains("certificate"),
+        "{e}"
+    );
+    // Checked against it, the server's certificate (for 127.0.0.1) passes.
+    let with_ca = RemoteConfig {
+        ca: Some(pki.ca()),
+        ..cfg(vec![url.clone()])
+    };
+    let t = RedisTier::connect(layout(), UUID, &with_ca).unwrap();
+    assert!(write(&t, &[3, 4], 2).iter().all(|r| r.is_ok()));
+    assert!(read(&t, &[4, 3], 2).into_iter().all(|r| r.unwrap()));
+    // Another CA does not vouch for it.
+    let Some(other) = testing::TestPki::make() else {
+        return;
+    };
+    let e = refused(&RemoteConfig {
+        ca: Some(other.ca()),
+        ..cfg(vec![url.clone()])
+    });
+    assert!(e.contains("certificate"), "{e}");
+    // Files and URLs that cannot go with a CA, each named.
+    let dir = tempfile::tempdir().unwrap();
+    let junk = dir.path().join("junk.pem");
+    std::fs::write(&junk, "not a certificate\n").unwrap();
+    for (ca, urls, says) in [
+        (
+            dir.path().join("none.pem"),
+            vec![url.clone()],
+            "cannot read the TLS CA file",
+        ),
+        (
+            junk.clone(),
+            vec![url.clone()],
+            "holds no PEM CERTIFICATE block",
+        ),
+        (pki.ca(), vec![format!("{url}/#insecure")], "#insecure"),
+        (
+            pki.ca(),
+            vec![format!("redis://127.0.0.1:{}", s.port)],
+            "is not one",
+        ),
+    ] {
+        let e = refused(&RemoteConfig {
+            ca: Some(ca),
+            ..cfg(urls)
+        });
+        assert!(e.contains(says), "{says}: {e}");
+    }
+    assert!(read(&t, &[3, 4], 2).into_iter().all(|r| r.unwrap()));
+}
+
+#[test]
+fn tls_client_certificate_for_a_server_that_asks() {
+    if !testing::available() {
+        return;
+    }
+    let Some(s) = RedisServer::start_tls(true) else {
+        return;
+    };
+    let url = s.tls_url_checked().unwrap();
+    let pki = s.tls_pki().unwrap();
+    let ca_only = RemoteConfig {
+        ca: Some(pki.ca()),
+        ..cfg(vec![url.clone()])
+    };
+    let e = refused(&ca_only);
+    assert!(e.contains("cannot reach redis"), "{e}");
+    let (cert, key) = pki.client();
+    let e = refused(&RemoteConfig {
+        client_cert: Some((cert.clone(), pki.ca())),
+        ..ca_only.clone()
+    });
+    assert!(e.contains("holds no PEM PRIVATE KEY block"), "{e}");
+    let t = RedisTier::connect(
+        layout(),
+        UUID,
+        &RemoteConfig {
+            client_cert: Some((cert, key)),
+            ..ca_only
+        },
+    )
+    .unwrap();
+    assert!(write(&t, &[5], 3).iter().all(|r| r.is_ok()));
+    assert!(read(&t, &[5], 3).into_iter().all(|r| r.unwrap()));
 }
 
 #[test]

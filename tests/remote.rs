@@ -761,3 +761,67 @@ fn mount_refuses_evicting_servers_and_warns_about_volatile_ones() {
     );
     assert!(is_mounted(&r3.m.mp));
 }
+
+/// A TLS server whose certificate comes from a private CA and which asks
+/// clients for theirs: `kvfs mount` refuses it without the CA (saying to
+/// give `--remote-ca`) and without a client certificate, mounts with both,
+/// and `mount.kvfs` passes the same as `-o` options; bytes written through
+/// one mount read back through the next.
+#[test]
+fn a_tls_server_of_a_private_ca_that_checks_clients() {
+    if !mountable() {
+        return;
+    }
+    let Some(s) = RedisServer::start_tls(true) else {
+        return;
+    };
+    let url = s.tls_url_checked().unwrap();
+    let pki = s.tls_pki().unwrap();
+    let (ca, (cert, key)) = (pki.ca(), pki.client());
+    let (ca, cert, key) = (
+        ca.to_str().unwrap(),
+        cert.to_str().unwrap(),
+        key.to_str().unwrap(),
+    );
+    let r = Remote::new(std::slice::from_ref(&url), 4, "16KiB");
+    let out = r.try_mount_on(&r.urls, &[]);
+    assert!(!out.status.success(), "mounted with no CA");
+    assert!(stderr(&out).contains("--remote-ca"), "{}", stderr(&out));
+    let out = r.try_mount_on(&r.urls, &["--remote-ca", ca]);
+    assert!(!out.status.success(), "mounted with no client certificate");
+    let out = r.try_mount_on(&r.urls, &["--remote-ca", ca, "--remote-cert", cert]);
+    assert!(stderr(&out).contains("--remote-key"), "{}", stderr(&out));
+    assert!(!is_mounted(&r.m.mp));
+    let out = r.try_mount_on(
+        &r.urls,
+        &[
+            "--remote-ca",
+            ca,
+            "--remote-cert",
+            cert,
+            "--remote-key",
+            key,
+        ],
+    );
+    assert!(out.status.success(), "{}\n{}", stderr(&out), r.log());
+    let mut model = Model::new();
+    for g in 0..8 {
+        r.put(&mut model, g, g + 40);
+    }
+    assert!(r.sync().status.success());
+    r.umount();
+    let helper = concat!(env!("CARGO_MANIFEST_DIR"), "/mount/mount.kvfs");
+    let opts = format!(
+        "tier=redis,remote={url},remote_ca={ca},remote_cert={cert},remote_key={key},t1=16KiB"
+    );
+    let out = std::process::Command::new(helper)
+        .arg(&r.m.backing)
+        .arg(&r.m.mp)
+        .args(["-o", &opts])
+        .env("KVFS_BIN", env!("CARGO_BIN_EXE_kvfs"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}\n{}", stderr(&out), r.log());
+    r.verify(&model, "through a second mount over TLS");
+    r.umount();
+}

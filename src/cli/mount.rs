@@ -85,6 +85,17 @@ pub struct MountArgs {
     /// the server dropped then reads as EIO (counted), never as zeros.
     #[arg(long)]
     pub remote_allow_evict: bool,
+    /// PEM file of the CA certificate(s) that rediss:// servers' certificates
+    /// are checked against (a private CA) [default: the web PKI roots].
+    #[arg(long, value_name = "FILE")]
+    pub remote_ca: Option<PathBuf>,
+    /// PEM client certificate for rediss:// servers that check clients
+    /// (tls-auth-clients yes); with --remote-key.
+    #[arg(long, value_name = "FILE", requires = "remote_key")]
+    pub remote_cert: Option<PathBuf>,
+    /// PEM private key of --remote-cert.
+    #[arg(long, value_name = "FILE", requires = "remote_cert")]
+    pub remote_key: Option<PathBuf>,
     /// Replacement policy for T1: sieve or lru.
     #[arg(long, default_value = "sieve")]
     pub policy: PolicyKind,
@@ -163,8 +174,11 @@ impl MountArgs {
 
     /// How to reach the remote tier; None for the local tiers.
     fn remote_config(&self) -> Result<Option<RemoteConfig>> {
-        let given =
-            !self.remote.is_empty() || self.remote_replicas.is_some() || self.remote_allow_evict;
+        let given = !self.remote.is_empty()
+            || self.remote_replicas.is_some()
+            || self.remote_allow_evict
+            || self.remote_ca.is_some()
+            || self.remote_cert.is_some();
         if self.tier != TierKind::Redis {
             if given {
                 bail!("--remote and the --remote-* options are for --tier redis");
@@ -191,8 +205,19 @@ impl MountArgs {
             timeout: Duration::from_secs_f64(self.remote_timeout),
             replicas: self.remote_replicas,
             allow_evict: self.remote_allow_evict,
+            // Absolute, as the detached daemon reads them.
+            ca: self.remote_ca.as_deref().map(absolute).transpose()?,
+            client_cert: match (&self.remote_cert, &self.remote_key) {
+                (Some(c), Some(k)) => Some((absolute(c)?, absolute(k)?)),
+                _ => None,
+            },
         }))
     }
+}
+
+fn absolute(p: &Path) -> Result<PathBuf> {
+    std::path::absolute(p)
+        .with_context(|| format!("{}: cannot make the path absolute", p.display()))
 }
 
 fn check_mountpoint(mp: &Path) -> Result<()> {

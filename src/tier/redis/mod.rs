@@ -29,8 +29,9 @@ use super::{Op, ReadOp, Tier, TierError, WriteOp, check_op};
 use crate::geometry::{GroupIndex, GroupLayout};
 use crate::stats::{self, Exposition, Histogram};
 use parking_lot::RwLock;
-use redis::{ConnectionInfo, IntoConnectionInfo, Value};
+use redis::{Client, ClientTlsConfig, ConnectionInfo, IntoConnectionInfo, TlsCertificates, Value};
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -63,6 +64,13 @@ pub struct RemoteConfig {
     pub replicas: Option<u32>,
     /// Accept a server whose `maxmemory-policy` evicts keys.
     pub allow_evict: bool,
+    /// TLS (`rediss://` URLs only): a PEM file of the CA certificates the
+    /// servers' certificates are checked against, instead of the web PKI
+    /// roots (a private CA).
+    pub ca: Option<PathBuf>,
+    /// TLS client certificate and its key (PEM files), for servers that
+    /// authenticate clients (`tls-auth-clients yes`).
+    pub client_cert: Option<(PathBuf, PathBuf)>,
 }
 
 impl RemoteConfig {
@@ -73,7 +81,59 @@ impl RemoteConfig {
             timeout: DEFAULT_REMOTE_TIMEOUT,
             replicas: None,
             allow_evict: false,
+            ca: None,
+            client_cert: None,
         }
+    }
+
+    /// The CA and client certificate files, read and parsed; None where
+    /// neither is given. Refused with a reason: a file that cannot be read
+    /// or holds no PEM certificate (or key), or a URL that is not
+    /// `rediss://` or skips the server's check (`#insecure`) beside a CA.
+    fn tls_certificates(&self) -> Result<Option<TlsCertificates>, String> {
+        if self.ca.is_none() && self.client_cert.is_none() {
+            return Ok(None);
+        }
+        if let Some(u) = self.urls.iter().find(|u| !u.starts_with("rediss://")) {
+            return Err(format!(
+                "a TLS CA or client certificate is for rediss:// URLs; {} is not one",
+                redact(u)
+            ));
+        }
+        if self.ca.is_some()
+            && let Some(u) = self.urls.iter().find(|u| u.ends_with("#insecure"))
+        {
+            return Err(format!(
+                "{} skips the server's certificate check (#insecure), which a TLS CA is given to make: give one or the other",
+                redact(u)
+            ));
+        }
+        let pem = |path: &Path, what: &str, marker: &str| -> Result<Vec<u8>, String> {
+            let bytes = std::fs::read(path)
+                .map_err(|e| format!("cannot read the TLS {what} {}: {e}", path.display()))?;
+            if !String::from_utf8_lossy(&bytes).contains(marker) {
+                return Err(format!(
+                    "the TLS {what} {} holds no PEM {marker} block",
+                    path.display()
+                ));
+            }
+            Ok(bytes)
+        };
+        let root_cert = match &self.ca {
+            Some(p) => Some(pem(p, "CA file", "CERTIFICATE")?),
+            None => None,
+        };
+        let client_tls = match &self.client_cert {
+            Some((cert, key)) => Some(ClientTlsConfig {
+                client_cert: pem(cert, "client certificate", "CERTIFICATE")?,
+                client_key: pem(key, "client key", "PRIVATE KEY")?,
+            }),
+            None => None,
+        };
+        Ok(Some(TlsCertificates {
+            client_tls,
+            root_cert,
+        }))
     }
 }
 
@@ -194,12 +254,21 @@ impl RedisTier {
             // is installed already, which serves as well.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
+        let certs = cfg.tls_certificates()?;
         let mut seeds = Vec::with_capacity(cfg.urls.len());
         for url in &cfg.urls {
-            let info = url
+            let mut info = url
                 .as_str()
                 .into_connection_info()
                 .map_err(|e| format!("bad redis URL {}: {e}", redact(url)))?;
+            if let Some(certs) = &certs {
+                // The parsed certificates ride in the address, so every
+                // node learnt from this seed (`Node::sibling`) has them.
+                info = Client::build_with_tls(info, certs.clone())
+                    .map_err(|e| format!("TLS setup for {}: {e}", redact(url)))?
+                    .get_connection_info()
+                    .clone();
+            }
             seeds.push((redact(url), info));
         }
         let mut failures = Vec::new();
@@ -215,7 +284,16 @@ impl RedisTier {
                     found = Some((url.clone(), info.clone(), node, c, i));
                     break;
                 }
-                Err(e) => failures.push(format!("{url}: {e}")),
+                Err(e) => {
+                    // rustls says UnknownIssuer for a private CA's certificate.
+                    let hint = match e.to_string().contains("UnknownIssuer") && cfg.ca.is_none() {
+                        true => {
+                            " (the server's certificate is not signed by a CA of the web PKI: give its CA's PEM file, --remote-ca)"
+                        }
+                        false => "",
+                    };
+                    failures.push(format!("{url}: {e}{hint}"))
+                }
             }
         }
         let Some((url, info, seed_node, mut con, cluster_info)) = found else {

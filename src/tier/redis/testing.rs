@@ -45,8 +45,8 @@ pub struct RedisServer {
     dir: tempfile::TempDir,
     args: Vec<String>,
     child: Option<Child>,
-    /// TLS port and the directory of its certificate.
-    tls: Option<(u16, tempfile::TempDir)>,
+    /// TLS port and the test CA its certificate comes from.
+    tls: Option<(u16, TestPki)>,
 }
 
 impl RedisServer {
@@ -187,47 +187,44 @@ impl RedisServer {
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     }
 
-    /// Starts a server that speaks TLS only, with a self-signed
-    /// certificate made by `openssl` (None where openssl is missing).
-    pub fn start_tls() -> Option<RedisServer> {
-        let certs = tempfile::tempdir().expect("temp dir");
-        let (cert, key) = (certs.path().join("cert.pem"), certs.path().join("key.pem"));
-        let made = Command::new("openssl")
-            .args([
-                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            ])
-            .args(["-subj", "/CN=localhost", "-keyout"])
-            .arg(&key)
-            .arg("-out")
-            .arg(&cert)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !made {
-            eprintln!("skipping: openssl cannot make a test certificate");
-            return None;
-        }
-        let (cert, key) = (cert.display().to_string(), key.display().to_string());
+    /// Starts a server that speaks TLS only, its certificate (for
+    /// 127.0.0.1 and localhost) signed by a test CA made by `openssl`;
+    /// `auth_clients`: it asks clients for a certificate signed by the same
+    /// CA (`tls-auth-clients yes`). None where openssl is missing.
+    pub fn start_tls(auth_clients: bool) -> Option<RedisServer> {
+        let pki = TestPki::make()?;
         let port = free_port().to_string();
+        let (cert, key) = pki.server();
         let mut s = RedisServer::start(&[
             "--tls-port",
             &port,
             "--tls-cert-file",
-            &cert,
+            &cert.display().to_string(),
             "--tls-key-file",
-            &key,
+            &key.display().to_string(),
+            "--tls-ca-cert-file",
+            &pki.ca().display().to_string(),
             "--tls-auth-clients",
-            "no",
+            if auth_clients { "yes" } else { "no" },
         ]);
-        s.tls = Some((port.parse().expect("port"), certs));
+        s.tls = Some((port.parse().expect("port"), pki));
         Some(s)
     }
 
-    /// `rediss://` URL of a TLS server (certificate not verified).
+    /// `rediss://` URL of a TLS server, certificate not verified.
     pub fn tls_url(&self) -> Option<String> {
+        Some(format!("{}/#insecure", self.tls_url_checked()?))
+    }
+
+    /// `rediss://` URL of a TLS server, its certificate checked.
+    pub fn tls_url_checked(&self) -> Option<String> {
         let (port, _) = self.tls.as_ref()?;
-        Some(format!("rediss://127.0.0.1:{port}/#insecure"))
+        Some(format!("rediss://127.0.0.1:{port}"))
+    }
+
+    /// The test CA and client certificate of a TLS server.
+    pub fn tls_pki(&self) -> Option<&TestPki> {
+        self.tls.as_ref().map(|(_, pki)| pki)
     }
 
     pub fn socket_path(&self) -> PathBuf {
@@ -275,5 +272,114 @@ impl RedisCluster {
 
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(|s| s.url()).collect()
+    }
+}
+
+/// A test CA (`ca.pem`) and, signed by it, a server certificate for
+/// 127.0.0.1 and localhost and a client certificate, with their keys, in a
+/// temporary directory.
+pub struct TestPki {
+    dir: tempfile::TempDir,
+}
+
+impl TestPki {
+    /// None (and a message) where `openssl` cannot make them.
+    pub fn make() -> Option<TestPki> {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let openssl = |args: &[&str]| {
+            Command::new("openssl")
+                .args(args)
+                .current_dir(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        let key = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        let mut made = openssl(
+            &[
+                &["req", "-x509", "-days", "1", "-subj", "/CN=kvfs test CA"],
+                &key[..],
+                &["-keyout", "ca.key", "-out", "ca.pem"],
+            ]
+            .concat(),
+        );
+        for (name, cn, ext) in [
+            (
+                "server",
+                "localhost",
+                "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+            ),
+            (
+                "client",
+                "kvfs test client",
+                "extendedKeyUsage=clientAuth\n",
+            ),
+        ] {
+            let ext_file = format!("{name}.ext");
+            std::fs::write(dir.path().join(&ext_file), ext).expect("write an extensions file");
+            let (k, csr, pem) = (
+                format!("{name}.key"),
+                format!("{name}.csr"),
+                format!("{name}.pem"),
+            );
+            made =
+                made && openssl(
+                    &[
+                        &["req", "-subj", &format!("/CN={cn}")],
+                        &key[..],
+                        &["-keyout", &k, "-out", &csr],
+                    ]
+                    .concat(),
+                ) && openssl(&[
+                    "x509",
+                    "-req",
+                    "-days",
+                    "1",
+                    "-in",
+                    &csr,
+                    "-CA",
+                    "ca.pem",
+                    "-CAkey",
+                    "ca.key",
+                    "-CAcreateserial",
+                    "-extfile",
+                    &ext_file,
+                    "-out",
+                    &pem,
+                ]);
+        }
+        if !made {
+            eprintln!("skipping: openssl cannot make test certificates");
+            return None;
+        }
+        Some(TestPki { dir })
+    }
+
+    /// The CA's certificate (PEM).
+    pub fn ca(&self) -> PathBuf {
+        self.dir.path().join("ca.pem")
+    }
+
+    /// The server's certificate and key.
+    pub fn server(&self) -> (PathBuf, PathBuf) {
+        (
+            self.dir.path().join("server.pem"),
+            self.dir.path().join("server.key"),
+        )
+    }
+
+    /// The client's certificate and key.
+    pub fn client(&self) -> (PathBuf, PathBuf) {
+        (
+            self.dir.path().join("client.pem"),
+            self.dir.path().join("client.key"),
+        )
     }
 }
