@@ -13,8 +13,8 @@
 
 use kvfs::control::wire::{
     Command, DecodeError, ENTRIES_IN_REGION, HEADER_BYTES, Header, IO_ENTRY_BYTES, KEY_ENTRY_BYTES,
-    MAX_ENTRIES, MAX_PATH, REPLY_MAGIC, REQUEST_MAGIC, Reply, STATE_ENTRY_BYTES, VERSION,
-    decode_io_entries, decode_request, encode_io_entries, encode_request, request_len,
+    MAX_ENTRIES, MAX_PATH, REPLY_MAGIC, REQUEST_MAGIC, Reply, STATE_ENTRY_BYTES, STATE_WRITTEN,
+    VERSION, decode_io_entries, decode_request, encode_io_entries, encode_request, request_len,
 };
 use kvfs::geometry::{GroupKey, Kind, ParsedPath, name_component, parse_group_name, parse_path};
 use proptest::prelude::*;
@@ -127,14 +127,19 @@ fn check_request(data: &[u8]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-/// The first `n` bytes of an accepted reply with state pads set to 0,
-/// dirty bytes as 0/1 and the message as `from_utf8_lossy` made it.
+/// The first `n` bytes of an accepted reply with dirty bytes as 0/1, of
+/// each state entry's flags only the written-back bit, its crc32c 0 where
+/// that bit is clear, and the message as `from_utf8_lossy` made it.
 fn canonical_reply(b: &[u8], states: usize) -> Vec<u8> {
     let states_end = HEADER_BYTES + STATE_ENTRY_BYTES * states;
     let mut c = b[..states_end].to_vec();
     for e in c[HEADER_BYTES..].chunks_exact_mut(STATE_ENTRY_BYTES) {
         e[1] = (e[1] != 0) as u8;
-        e[2..4].fill(0);
+        let written = u16::from_le_bytes([e[2], e[3]]) & STATE_WRITTEN;
+        e[2..4].copy_from_slice(&written.to_le_bytes());
+        if written == 0 {
+            e[4..8].fill(0);
+        }
     }
     let msg = String::from_utf8_lossy(&b[states_end + 4..]);
     c.extend_from_slice(&(msg.len() as u32).to_le_bytes());
