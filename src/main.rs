@@ -240,9 +240,18 @@ enum BenchCmd {
         /// io_uring queue depth (also fio's iodepth); redis: commands per pipeline (also redis-benchmark's -P).
         #[arg(long, default_value_t = 32)]
         qd: u32,
-        /// redis: the server (redis://HOST:PORT, unix:///PATH) or cluster seed nodes.
+        /// redis: the server (redis://HOST:PORT, unix:///PATH, rediss://HOST:PORT) or cluster seed nodes.
         #[arg(long, value_delimiter = ',', value_name = "URL")]
         remote: Vec<String>,
+        /// redis over TLS: the CA's PEM file (as kvfs mount --remote-ca; redis-benchmark's --cacert).
+        #[arg(long, value_name = "FILE")]
+        remote_ca: Option<PathBuf>,
+        /// redis over TLS: a client certificate, with --remote-key (redis-benchmark's --cert).
+        #[arg(long, value_name = "FILE", requires = "remote_key")]
+        remote_cert: Option<PathBuf>,
+        /// redis over TLS: the client certificate's key (redis-benchmark's --key).
+        #[arg(long, value_name = "FILE", requires = "remote_cert")]
+        remote_key: Option<PathBuf>,
         /// redis: client connections on each side (kvfs threads; redis-benchmark's -c).
         #[arg(long, default_value_t = 4)]
         connections: usize,
@@ -398,6 +407,9 @@ fn run(cli: Cli) -> Result<()> {
                 tier: TierKind::Redis,
                 qd,
                 remote,
+                remote_ca,
+                remote_cert,
+                remote_key,
                 connections,
                 group_size,
                 file_size,
@@ -415,7 +427,8 @@ fn run(cli: Cli) -> Result<()> {
                         timeout: std::time::Duration::from_secs(5),
                         replicas: None,
                         allow_evict: true,
-                        ..kvfs::tier::RemoteConfig::new(Vec::new())
+                        ca: remote_ca,
+                        client_cert: remote_cert.zip(remote_key),
                     },
                     layout: kvfs::bench::backing::bench_layout(
                         group_size,
@@ -431,14 +444,16 @@ fn run(cli: Cli) -> Result<()> {
                 tier,
                 qd,
                 remote,
+                remote_ca,
+                remote_cert,
                 group_size,
                 file_size,
                 seconds,
                 rounds,
                 ..
             } => {
-                if !remote.is_empty() {
-                    anyhow::bail!("--remote is for --tier redis");
+                if !remote.is_empty() || remote_ca.is_some() || remote_cert.is_some() {
+                    anyhow::bail!("--remote and the --remote-* options are for --tier redis");
                 }
                 kvfs::bench::backing::run(&BackingBench {
                     dir,

@@ -93,8 +93,9 @@ fn run_kvfs(tier: &RedisTier, b: &RedisBench, write: bool) -> anyhow::Result<f64
     Ok(total as f64 / start.elapsed().as_secs_f64())
 }
 
-/// How redis-benchmark reaches the server the first URL names.
-fn server_args(url: &str) -> anyhow::Result<Vec<String>> {
+/// How redis-benchmark reaches the server the first URL names, with the
+/// same TLS settings as the tier (`remote`).
+fn server_args(url: &str, remote: &RemoteConfig) -> anyhow::Result<Vec<String>> {
     if let Some(path) = url.strip_prefix("unix://") {
         return Ok(vec!["-s".into(), path.into()]);
     }
@@ -112,6 +113,16 @@ fn server_args(url: &str) -> anyhow::Result<Vec<String>> {
     let mut a = vec!["-h".into(), host.into(), "-p".into(), port.into()];
     if tls {
         a.push("--tls".into());
+        if url.ends_with("#insecure") {
+            a.push("--insecure".into());
+        }
+        if let Some(ca) = &remote.ca {
+            a.extend(["--cacert".into(), ca.display().to_string()]);
+        }
+        if let Some((cert, key)) = &remote.client_cert {
+            a.extend(["--cert".into(), cert.display().to_string()]);
+            a.extend(["--key".into(), key.display().to_string()]);
+        }
     }
     Ok(a)
 }
@@ -120,7 +131,7 @@ fn server_args(url: &str) -> anyhow::Result<Vec<String>> {
 /// size, depth, connections and key space; None if it is not installed.
 fn run_redis_benchmark(b: &RedisBench, test: &str, requests: u64) -> anyhow::Result<Option<f64>> {
     let mut cmd = Command::new("redis-benchmark");
-    cmd.args(server_args(&b.remote.urls[0])?)
+    cmd.args(server_args(&b.remote.urls[0], &b.remote)?)
         .args(["-t", &test.to_ascii_lowercase()])
         .args(["-d", &b.layout.group_bytes().to_string()])
         .args(["-P", &b.remote.qd.to_string()])
@@ -266,4 +277,32 @@ pub fn run(b: &RedisBench) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{RemoteConfig, server_args};
+    use std::path::PathBuf;
+
+    #[test]
+    fn redis_benchmark_reaches_the_server_as_the_tier_does() {
+        let plain = RemoteConfig::new(Vec::new());
+        let args = |url: &str, c: &RemoteConfig| server_args(url, c).unwrap().join(" ");
+        assert_eq!(args("redis://u:p@h:7000/2", &plain), "-h h -p 7000");
+        assert_eq!(args("unix:///run/r.sock", &plain), "-s /run/r.sock");
+        assert_eq!(
+            args("rediss://h:7000/#insecure", &plain),
+            "-h h -p 7000 --tls --insecure"
+        );
+        let tls = RemoteConfig {
+            ca: Some(PathBuf::from("/c/ca.pem")),
+            client_cert: Some((PathBuf::from("/c/me.pem"), PathBuf::from("/c/me.key"))),
+            ..plain
+        };
+        assert_eq!(
+            args("rediss://h:7000", &tls),
+            "-h h -p 7000 --tls --cacert /c/ca.pem --cert /c/me.pem --key /c/me.key"
+        );
+        assert!(server_args("http://h:1", &tls).is_err());
+    }
 }
