@@ -202,6 +202,45 @@ fn cluster_round_trip_spreads_keys_over_masters() {
     assert!(read(&t2, &idx, 1).into_iter().all(|r| r.unwrap()));
 }
 
+/// A 3-master cluster speaking TLS (bus included), certificates of a test
+/// CA: from one `rediss://` seed checked against that CA, the tier learns
+/// every master's TLS port from `CLUSTER SLOTS` and reaches each with the
+/// same TLS settings; without the CA it is refused.
+#[test]
+fn cluster_over_tls_with_a_private_ca() {
+    if !testing::available() {
+        return;
+    }
+    let Some(c) = RedisCluster::start_tls(3) else {
+        return;
+    };
+    let urls = c.tls_urls();
+    let e = match RedisTier::connect(layout(), UUID, &cfg(vec![urls[0].clone()])) {
+        Ok(_) => panic!("connected without the test CA"),
+        Err(e) => e,
+    };
+    assert!(e.contains("--remote-ca"), "{e}");
+    let with_ca = RemoteConfig {
+        ca: Some(c.nodes[0].tls_pki().unwrap().ca()),
+        ..cfg(vec![urls[2].clone()])
+    };
+    let t = RedisTier::connect(layout(), UUID, &with_ca).unwrap();
+    assert!(
+        t.describe().starts_with("cluster of 3 masters"),
+        "{}",
+        t.describe()
+    );
+    let idx = all_indices();
+    assert!(write(&t, &idx, 1).iter().all(|r| r.is_ok()));
+    t.sync().unwrap();
+    for s in &c.nodes {
+        let n: usize = s.cli(&["dbsize"]).parse().unwrap();
+        assert!(n > 0, "node {} holds no group", s.port);
+    }
+    assert!(read(&t, &idx, 1).into_iter().all(|r| r.unwrap()));
+    assert_eq!(metric(&t, "kvfs_remote_nodes{state=\"connected\"}"), 3.0);
+}
+
 /// Starts moving the slot of `key` from its owner to the next master by
 /// hand: marks it importing and migrating, and migrates the first `share`
 /// of its keys. Returns (slot, owner, target).

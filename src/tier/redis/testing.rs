@@ -7,6 +7,7 @@
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Whether `redis-server` and `redis-cli` can run here; prints why a test
@@ -46,7 +47,7 @@ pub struct RedisServer {
     args: Vec<String>,
     child: Option<Child>,
     /// TLS port and the test CA its certificate comes from.
-    tls: Option<(u16, TestPki)>,
+    tls: Option<(u16, Arc<TestPki>)>,
 }
 
 impl RedisServer {
@@ -92,16 +93,29 @@ impl RedisServer {
         panic!("redis-server would not start; log: {}", s.log());
     }
 
-    /// A cluster-enabled node (not yet part of a cluster).
-    pub fn start_cluster_node() -> RedisServer {
-        RedisServer::start(&[
+    /// A cluster-enabled node (not yet part of a cluster); with `tls`,
+    /// it also speaks TLS on a port of its own (certificate of that test
+    /// CA, clients not asked for theirs), and its cluster bus is TLS.
+    pub fn start_cluster_node(tls: Option<&Arc<TestPki>>) -> RedisServer {
+        let cluster = [
             "--cluster-enabled",
             "yes",
             "--cluster-config-file",
             "nodes.conf",
             "--cluster-node-timeout",
             "2000",
-        ])
+        ];
+        let Some(pki) = tls else {
+            return RedisServer::start(&cluster);
+        };
+        let port = free_port();
+        let tls = pki.server_args(port, false);
+        let mut args: Vec<&str> = cluster.to_vec();
+        args.extend(["--tls-cluster", "yes"]);
+        args.extend(tls.iter().map(String::as_str));
+        let mut s = RedisServer::start(&args);
+        s.tls = Some((port, pki.clone()));
+        s
     }
 
     fn spawn(&mut self) -> bool {
@@ -192,22 +206,11 @@ impl RedisServer {
     /// `auth_clients`: it asks clients for a certificate signed by the same
     /// CA (`tls-auth-clients yes`). None where openssl is missing.
     pub fn start_tls(auth_clients: bool) -> Option<RedisServer> {
-        let pki = TestPki::make()?;
-        let port = free_port().to_string();
-        let (cert, key) = pki.server();
-        let mut s = RedisServer::start(&[
-            "--tls-port",
-            &port,
-            "--tls-cert-file",
-            &cert.display().to_string(),
-            "--tls-key-file",
-            &key.display().to_string(),
-            "--tls-ca-cert-file",
-            &pki.ca().display().to_string(),
-            "--tls-auth-clients",
-            if auth_clients { "yes" } else { "no" },
-        ]);
-        s.tls = Some((port.parse().expect("port"), pki));
+        let pki = Arc::new(TestPki::make()?);
+        let port = free_port();
+        let args = pki.server_args(port, auth_clients);
+        let mut s = RedisServer::start(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        s.tls = Some((port, pki));
         Some(s)
     }
 
@@ -224,7 +227,7 @@ impl RedisServer {
 
     /// The test CA and client certificate of a TLS server.
     pub fn tls_pki(&self) -> Option<&TestPki> {
-        self.tls.as_ref().map(|(_, pki)| pki)
+        self.tls.as_ref().map(|(_, pki)| &**pki)
     }
 
     pub fn socket_path(&self) -> PathBuf {
@@ -245,7 +248,27 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start(n: usize) -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..n).map(|_| RedisServer::start_cluster_node()).collect();
+        RedisCluster::of(
+            (0..n)
+                .map(|_| RedisServer::start_cluster_node(None))
+                .collect(),
+        )
+    }
+
+    /// `start`, each node also speaking TLS (see `start_cluster_node`),
+    /// with one test CA; None where openssl is missing.
+    pub fn start_tls(n: usize) -> Option<RedisCluster> {
+        let pki = Arc::new(TestPki::make()?);
+        let nodes = (0..n)
+            .map(|_| RedisServer::start_cluster_node(Some(&pki)))
+            .collect();
+        Some(RedisCluster::of(nodes))
+    }
+
+    /// Joins `nodes` into a cluster (through their plain ports), every
+    /// slot assigned, and waits until each node says it is ok.
+    fn of(nodes: Vec<RedisServer>) -> RedisCluster {
+        let n = nodes.len();
         let mut args = vec!["--cluster".to_string(), "create".to_string()];
         args.extend(nodes.iter().map(|s| format!("127.0.0.1:{}", s.port)));
         args.extend(["--cluster-replicas", "0", "--cluster-yes"].map(String::from));
@@ -272,6 +295,14 @@ impl RedisCluster {
 
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(|s| s.url()).collect()
+    }
+
+    /// Each node's checked `rediss://` URL (a `start_tls` cluster).
+    pub fn tls_urls(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .filter_map(|s| s.tls_url_checked())
+            .collect()
     }
 }
 
@@ -311,10 +342,11 @@ impl TestPki {
             .concat(),
         );
         for (name, cn, ext) in [
+            // Cluster nodes present it to each other as clients too.
             (
                 "server",
                 "localhost",
-                "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+                "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n",
             ),
             (
                 "client",
@@ -360,6 +392,26 @@ impl TestPki {
             return None;
         }
         Some(TestPki { dir })
+    }
+
+    /// redis-server arguments to speak TLS on `port` with the server
+    /// certificate; `auth_clients`: ask clients for one of this CA's.
+    fn server_args(&self, port: u16, auth_clients: bool) -> Vec<String> {
+        let (cert, key) = self.server();
+        [
+            "--tls-port",
+            &port.to_string(),
+            "--tls-cert-file",
+            &cert.display().to_string(),
+            "--tls-key-file",
+            &key.display().to_string(),
+            "--tls-ca-cert-file",
+            &self.ca().display().to_string(),
+            "--tls-auth-clients",
+            if auth_clients { "yes" } else { "no" },
+        ]
+        .map(String::from)
+        .to_vec()
     }
 
     /// The CA's certificate (PEM).
