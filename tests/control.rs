@@ -466,13 +466,9 @@ fn ctl_command_queries_and_prefetches() {
         return;
     }
     let m = Mount::new(&[]);
+    let ctl = |args: &[&str]| kvfs().arg("ctl").arg(&m.mp).args(args).output().unwrap();
     fs::write(m.p("L1/B2/H0/V"), pattern(1, GB)).unwrap();
-    let out = kvfs()
-        .args(["ctl"])
-        .arg(&m.mp)
-        .args(["query", "L1/B2/H0/V", "L0/B0/H0/K"])
-        .output()
-        .unwrap();
+    let out = ctl(&["query", "L1/B2/H0/V", "L0/B0/H0/K"]);
     let t = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -486,32 +482,16 @@ fn ctl_command_queries_and_prefetches() {
         "{t}"
     );
     assert!(kvfs().arg("sync").arg(&m.mp).status().unwrap().success());
-    let out = kvfs()
-        .args(["ctl"])
-        .arg(&m.mp)
-        .args(["query", "L1/B2/H0/V"])
-        .output()
-        .unwrap();
+    let out = ctl(&["query", "L1/B2/H0/V"]);
     let crc = format!("{:08x}", crc32c::crc32c(&pattern(1, GB)));
     let t = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         t,
         format!("L1/B2/H0/V\tt1\tdirty=0\tbacking_crc32c={crc}\n")
     );
-    let out = kvfs()
-        .args(["ctl"])
-        .arg(&m.mp)
-        .args(["prefetch", "L0/B1/H1/K"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    assert!(ctl(&["prefetch", "L0/B1/H1/K"]).status.success());
     assert!(names(&m.p(".kvfs/resident")).contains("L0.B1.H1.K"));
-    let out = kvfs()
-        .args(["ctl"])
-        .arg(&m.mp)
-        .args(["query", "L01/B2/H0/V"])
-        .output()
-        .unwrap();
+    let out = ctl(&["query", "L01/B2/H0/V"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("leading zeros"));
 }

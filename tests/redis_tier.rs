@@ -215,10 +215,7 @@ fn cluster_over_tls_with_a_private_ca() {
         return;
     };
     let urls = c.tls_urls();
-    let e = match RedisTier::connect(layout(), UUID, &cfg(vec![urls[0].clone()])) {
-        Ok(_) => panic!("connected without the test CA"),
-        Err(e) => e,
-    };
+    let e = refused(&cfg(vec![urls[0].clone()]));
     assert!(e.contains("--remote-ca"), "{e}");
     let with_ca = RemoteConfig {
         ca: Some(c.nodes[0].tls_pki().unwrap().ca()),
@@ -576,15 +573,22 @@ fn refused(c: &RemoteConfig) -> String {
     }
 }
 
+/// A TLS server of a test CA (see `RedisServer::start_tls`) and its
+/// checked URL; None (with a message) where one cannot run.
+fn tls_server(auth_clients: bool) -> Option<(RedisServer, String)> {
+    if !testing::available() {
+        return None;
+    }
+    let s = RedisServer::start_tls(auth_clients)?;
+    let url = s.tls_url_checked().unwrap();
+    Some((s, url))
+}
+
 #[test]
 fn tls_checked_against_a_private_ca() {
-    if !testing::available() {
-        return;
-    }
-    let Some(s) = RedisServer::start_tls(false) else {
+    let Some((s, url)) = tls_server(false) else {
         return;
     };
-    let url = s.tls_url_checked().unwrap();
     let pki = s.tls_pki().unwrap();
     // The web PKI roots do not know the test CA.
     let e = refused(&cfg(vec![url.clone()]));
@@ -642,13 +646,9 @@ fn tls_checked_against_a_private_ca() {
 
 #[test]
 fn tls_client_certificate_for_a_server_that_asks() {
-    if !testing::available() {
-        return;
-    }
-    let Some(s) = RedisServer::start_tls(true) else {
+    let Some((s, url)) = tls_server(true) else {
         return;
     };
-    let url = s.tls_url_checked().unwrap();
     let pki = s.tls_pki().unwrap();
     let ca_only = RemoteConfig {
         ca: Some(pki.ca()),
